@@ -1,0 +1,1 @@
+"""Accelerate adapter for SCAPE (see accelerate_scape.plugin)."""

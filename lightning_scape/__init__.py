@@ -1,0 +1,1 @@
+"""Lightning adapter for SCAPE (see lightning_scape.strategy)."""

@@ -1,0 +1,154 @@
+"""AdamS (arXiv 2505.16363): Adam whose denominator is rebuilt each step from the momentum."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterable
+
+import torch
+from torch import Tensor
+
+from scape_core.config import check_optimizer_args
+
+MOMENTUM = "exp_avg"  # optimizer-state key of m, named as in torch's Adam
+
+
+def adams_reference(
+    params: list[Tensor],
+    grads: list[Tensor],
+    momenta: list[Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """One AdamS step, one tensor at a time: the readable path the fast one is tested against."""
+    for p, g, m in zip(params, grads, momenta):
+        g32 = g.float()
+        v = beta2 * m * m + (1 - beta2) * g32 * g32  # previous momentum, current gradient
+        m.mul_(beta1).add_(g32, alpha=1 - beta1)
+        p32 = p.float() * (1 - lr * weight_decay) - lr * m / (v.sqrt() + eps)
+        p.copy_(p32)
+
+
+def adams_foreach(
+    params: list[Tensor],
+    grads: list[Tensor],
+    momenta: list[Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+) -> None:
+    """The same step as :func:`adams_reference` with multi-tensor (foreach) kernels."""
+    if not params:
+        return
+    g32 = [g if g.dtype == torch.float32 else g.float() for g in grads]
+    low = [i for i, p in enumerate(params) if p.dtype != torch.float32]
+    p32 = [p.float() if p.dtype != torch.float32 else p for p in params]
+    denom = torch._foreach_mul(momenta, momenta)
+    torch._foreach_mul_(denom, beta2)
+    torch._foreach_addcmul_(denom, g32, g32, value=1 - beta2)
+    torch._foreach_sqrt_(denom)
+    torch._foreach_add_(denom, eps)
+    torch._foreach_lerp_(momenta, g32, 1 - beta1)  # m = beta1 m + (1 - beta1) g
+    if weight_decay:
+        torch._foreach_mul_(p32, 1 - lr * weight_decay)
+    torch._foreach_addcdiv_(p32, momenta, denom, value=-lr)
+    for i in low:  # fp32 math, stored back in the parameter's own dtype
+        params[i].copy_(p32[i])
+
+
+class AdamS(torch.optim.Optimizer):
+    r"""AdamS: the second moment is rebuilt every step, so the only state is the momentum.
+
+    .. math::
+        v_t &= \beta_2 m_{t-1}^2 + (1 - \beta_2) g_t^2 \\
+        m_t &= \beta_1 m_{t-1} + (1 - \beta_1) g_t \\
+        \theta_t &= (1 - \eta\lambda)\,\theta_{t-1} - \eta\, m_t / (\sqrt{v_t} + \epsilon)
+
+    No bias correction; weight decay is decoupled (as AdamW); ``m`` is kept in fp32 whatever the
+    parameter dtype. Hyperparameters are AdamW's, so AdamW settings carry over.
+
+    Args:
+        params: parameters or parameter groups.
+        lr: learning rate (``>= 0``).
+        betas: ``(beta1, beta2)``, each in ``[0, 1)``.
+        eps: added to the root, outside it.
+        weight_decay: decoupled weight decay.
+        foreach: use multi-tensor kernels (default: yes); ``False`` runs the reference path.
+
+    Example:
+        >>> model = torch.nn.Linear(4, 2)
+        >>> opt = AdamS(model.parameters(), lr=1e-3, weight_decay=0.1)
+        >>> model(torch.randn(3, 4)).sum().backward(); opt.step(); opt.zero_grad()
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Tensor] | Iterable[dict[str, Any]],
+        lr: float = 1e-3,
+        betas: tuple[float, float] = (0.9, 0.95),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        *,
+        foreach: bool | None = None,
+    ) -> None:
+        check_optimizer_args(lr, betas, eps, weight_decay)
+        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, foreach=foreach)
+        super().__init__(params, defaults)
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        super().add_param_group(param_group)
+        g = self.param_groups[-1]
+        check_optimizer_args(g["lr"], g["betas"], g["eps"], g["weight_decay"])
+
+    def momentum(self, p: Tensor) -> Tensor:
+        """The fp32 momentum buffer of ``p``, created (zeros) on first use."""
+        state = self.state[p]
+        if MOMENTUM not in state:
+            state["step"] = 0
+            state[MOMENTUM] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.preserve_format)
+        return state[MOMENTUM]
+
+    def _grads(self, group: dict[str, Any]) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+        params, grads, momenta = [], [], []
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            check_grad(p)
+            params.append(p)
+            grads.append(p.grad)
+            momenta.append(self.momentum(p))
+            self.state[p]["step"] += 1
+        return params, grads, momenta
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], float] | None = None) -> float | None:
+        """One AdamS step over every parameter that has a gradient."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            params, grads, momenta = self._grads(group)
+            run = adams_reference if group["foreach"] is False else adams_foreach
+            beta1, beta2 = group["betas"]
+            run(params, grads, momenta, lr=group["lr"], beta1=beta1, beta2=beta2,
+                eps=group["eps"], weight_decay=group["weight_decay"])
+        return loss
+
+
+def check_grad(p: Tensor) -> None:
+    """Reject gradients AdamS cannot use, naming the problem."""
+    g = p.grad
+    if g.is_sparse:
+        raise TypeError(
+            "AdamS does not support sparse gradients (e.g. nn.Embedding(sparse=True)); "
+            "use a dense embedding"
+        )
+    if not g.is_floating_point():
+        raise TypeError(f"AdamS needs floating-point gradients, got dtype {g.dtype}")

@@ -1,0 +1,106 @@
+"""SCAPE hyperparameters, validated once, shared by the hook, the optimizer and the adapters."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+SCORES = ("momentum_residual", "momentum")
+
+
+@dataclass(frozen=True)
+class ScapeConfig:
+    """How SCAPE sparsifies gradient communication.
+
+    Args:
+        sparsity: fraction of every parameter's coordinates NOT exchanged on a sparse step,
+            in ``[0, 1)``. ``0`` is dense DDP + AdamS; ``0.99`` sends about 1% of the values.
+        warmup_steps: the first optimizer steps are dense (full all-reduce, dense AdamS); they
+            fill the momentum the first mask is scored from.
+        mask_delay: ``1`` (default) uses the mask selected after step ``t`` at step ``t + 2``,
+            so its all-gather overlaps a whole step; ``0`` uses it at ``t + 1`` (ablation).
+        mask_refresh: steps between new masks; ``1`` selects a new mask every step.
+        error_feedback: keep what was not sent in a per-rank residual (default). ``False``
+            drops it (ablation only: unsent gradient is lost).
+        score: ``"momentum_residual"`` scores ``|beta1 * m + (1 - beta1) * residual|``
+            (the contract); ``"momentum"`` scores ``|m|`` (ablation).
+        update: name of the masked update rule (see :mod:`scape_core.update_rules`).
+
+    Example:
+        >>> ScapeConfig(sparsity=0.9, warmup_steps=20).density
+        0.09999999999999998
+    """
+
+    sparsity: float = 0.99
+    warmup_steps: int = 50
+    mask_delay: int = 1
+    mask_refresh: int = 1
+    error_feedback: bool = True
+    score: str = "momentum_residual"
+    update: str = "lazy"
+
+    def __post_init__(self) -> None:
+        from scape_core.update_rules import UPDATE_RULES  # late: rules import this module
+
+        if isinstance(self.sparsity, bool) or not isinstance(self.sparsity, (int, float)):
+            raise TypeError(f"sparsity must be a float in [0, 1), got {self.sparsity!r}")
+        if not (0.0 <= float(self.sparsity) < 1.0) or math.isnan(self.sparsity):
+            raise ValueError(f"sparsity must be in [0, 1), got {self.sparsity!r}")
+        _check_int("warmup_steps", self.warmup_steps, minimum=0)
+        _check_int("mask_refresh", self.mask_refresh, minimum=1)
+        if self.mask_delay not in (0, 1) or isinstance(self.mask_delay, bool):
+            raise ValueError(f"mask_delay must be 0 or 1, got {self.mask_delay!r}")
+        if not isinstance(self.error_feedback, bool):
+            raise TypeError(f"error_feedback must be a bool, got {self.error_feedback!r}")
+        if self.score not in SCORES:
+            raise ValueError(f"score must be one of {SCORES}, got {self.score!r}")
+        if self.update not in UPDATE_RULES:
+            raise ValueError(
+                f"update must be one of {sorted(UPDATE_RULES)}, got {self.update!r} "
+                "(register new rules with scape_core.register_update_rule)"
+            )
+
+    @property
+    def density(self) -> float:
+        """Fraction of coordinates exchanged on a sparse step (``1 - sparsity``)."""
+        return 1.0 - float(self.sparsity)
+
+    @property
+    def dense(self) -> bool:
+        """True when every step is dense (``sparsity == 0``)."""
+        return float(self.sparsity) == 0.0
+
+    def replace(self, **changes: Any) -> "ScapeConfig":
+        """A copy with ``changes`` applied (and validated); unknown names raise TypeError."""
+        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise TypeError(f"unknown ScapeConfig field(s): {sorted(unknown)}")
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain dict of the fields (for checkpoints and logs)."""
+        return dataclasses.asdict(self)
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
+
+
+def check_optimizer_args(lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+    """Validate AdamS hyperparameters, naming the bad argument."""
+    if not isinstance(lr, float | int) or lr < 0.0:  # tensors are not supported: say so plainly
+        raise ValueError(f"lr must be a non-negative number, got {lr!r}")
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+        raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+    for i, b in enumerate(betas):
+        if not 0.0 <= b < 1.0:
+            raise ValueError(f"betas[{i}] must be in [0, 1), got {b!r}")
+    if not eps >= 0.0:
+        raise ValueError(f"eps must be >= 0, got {eps!r}")
+    if not weight_decay >= 0.0:
+        raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")

@@ -1,0 +1,330 @@
+"""ScapeState: SCAPE's per-rank state (residuals, mask schedule, counters), keyed by parameter name."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from scape_core.config import ScapeConfig
+from scape_core.masks import MaskLayout, select_topk
+
+STATE_FORMAT = 1
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_forward_module.")
+
+
+def parameter_names(model: nn.Module) -> dict[str, Tensor]:
+    """Trainable parameters by name, with DDP / torch.compile / Fabric wrapper prefixes removed."""
+    named = {}
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        while name.startswith(_WRAPPER_PREFIXES):
+            name = name.split(".", 1)[1]
+        named[name] = p
+    return named
+
+
+@dataclass
+class _Step:
+    """What the hook recorded during the current step's backward."""
+
+    synced: set[str] = field(default_factory=set)
+    sent: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)  # name -> (mask, mean values)
+    nonfinite: bool = False
+
+
+class ScapeState:
+    """State of the SCAPE communication hook, shared with its :class:`ScapeAdamS` optimizer.
+
+    Register it with the hook, then build the optimizer from it::
+
+        state = ScapeState(ddp, sparsity=0.99)          # or config=ScapeConfig(...)
+        ddp.register_comm_hook(state, scape_hook)
+        opt = ScapeAdamS(ddp.parameters(), state, lr=3e-4, weight_decay=0.1)
+
+    Tuning (see ``docs/benchmarks.md`` for the measurements behind the defaults):
+
+    - ``sparsity``: the fraction of coordinates a sparse step does not exchange. Bytes per
+      step are about ``(1 - sparsity)`` of dense DDP plus the mask's share (indices or a
+      bitmap, whichever is smaller). Quality cost grows with sparsity: measure before 0.99.
+    - ``warmup_steps``: dense steps first. They fill the momentum the first mask is scored
+      from and outlive DDP's bucket rebuild after iteration 1. Tens to hundreds of steps.
+    - ``mask_delay``: 1 (default) gives each mask's all-gather a whole step to complete off the
+      critical path; 0 waits for it (ablation).
+    - ``mask_refresh``: steps between new masks; larger saves the mask bytes and top-k time.
+
+    Everything is keyed by parameter name, never by DDP bucket index, so the bucket rebuild,
+    several buckets, ``gradient_as_bucket_view``, ``static_graph`` and ``no_sync`` are safe and
+    :meth:`state_dict` resumes bit-for-bit. Memory over AdamS: one fp32 residual per parameter
+    plus the masks.
+
+    Non-finite gradients: a rank with a NaN/inf anywhere in a bucket poisons that bucket's
+    compact buffer, so every rank sees a non-finite reduction and all skip the optimizer step
+    together (counted in ``skipped_steps``). Buckets poisoned that way drop this step's gradient;
+    values synchronized in clean buckets go back into the residuals, so nothing sent is lost and
+    ``m``, parameters and residuals stay finite.
+
+    Args:
+        model: the DDP-wrapped model (or any module whose parameters DDP synchronizes).
+        sparsity: shorthand for ``ScapeConfig.sparsity``.
+        config: a full :class:`ScapeConfig`; other keyword arguments override its fields.
+        process_group: the group to communicate over (default: the world).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        sparsity: float | None = None,
+        *,
+        config: ScapeConfig | None = None,
+        process_group: dist.ProcessGroup | None = None,
+        **fields: Any,
+    ) -> None:
+        if config is not None and not isinstance(config, ScapeConfig):
+            raise TypeError(f"config must be a ScapeConfig, got {type(config).__name__}")
+        if sparsity is not None:
+            fields["sparsity"] = sparsity
+        self.config = (config or ScapeConfig()).replace(**fields)
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("ScapeState needs torch.distributed initialized (dist.init_process_group)")
+        self.process_group = process_group
+        self.world_size = dist.get_world_size(process_group)
+        self.rank = dist.get_rank(process_group)
+        self.params = parameter_names(model)
+        if not self.params:
+            raise ValueError("the model has no trainable parameters")
+        self.names = {id(p): n for n, p in self.params.items()}
+        self.layout = None if self.config.dense else MaskLayout(
+            {n: p.numel() for n, p in self.params.items()}, self.world_size, self.config.density)
+        self.step = 0  # optimizer steps taken (skipped ones included)
+        self.residuals: dict[str, Tensor] = {}  # allocated at the first sparse step
+        self.masks: dict[int, dict[str, Tensor]] = {}  # step -> mask used at that step
+        self._pending: tuple[int, Any, list[Tensor]] | None = None  # (step, work, payloads)
+        self._current = _Step()
+        self.optimizer: Any = None
+        self.counters = dict(steps=0, skipped_steps=0, hook_calls=0, values_sent=0, bytes_sent=0,
+                             mask_bytes=0, dense_bytes=0)
+
+    # ----- schedule -------------------------------------------------------------------
+    def is_dense(self, step: int) -> bool:
+        """Whether ``step`` exchanges every coordinate (warm-up or ``sparsity == 0``)."""
+        return self.config.dense or step < self.config.warmup_steps
+
+    def _is_refresh(self, step: int) -> bool:
+        return (step - self.config.warmup_steps) % self.config.mask_refresh == 0
+
+    def current_mask(self) -> dict[str, Tensor] | None:
+        """Mask of the step in progress; ``None`` on a dense step."""
+        if self.is_dense(self.step):
+            return None
+        if self.step not in self.masks:
+            if self.step - 1 - self.config.mask_delay >= 0:  # a step existed that should have picked it
+                raise RuntimeError(f"no SCAPE mask is scheduled for step {self.step}: was "
+                                   "ScapeAdamS.step() skipped, or the state reloaded without its masks?")
+            # No step before this one could select it (warm-up shorter than the delay):
+            # evenly spaced coordinates, identical on every rank without communication.
+            self.masks[self.step] = self.layout.strided()
+        return self.masks[self.step]
+
+    # ----- hook side ------------------------------------------------------------------
+    def residual(self, name: str) -> Tensor:
+        """This rank's fp32 residual of ``name`` (zeros until something is left unsent)."""
+        if name not in self.residuals:
+            p = self.params[name]
+            self.residuals[name] = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
+        return self.residuals[name]
+
+    def record_sync(self, names: list[str]) -> None:
+        """Called once per bucket per backward; refuses a second sync before the optimizer step."""
+        again = self._current.synced.intersection(names)
+        if again:
+            raise RuntimeError(
+                "scape_hook synchronized the same gradients twice without ScapeAdamS.step() in "
+                f"between (e.g. {sorted(again)[0]!r}): every sync flushes residuals that only the "
+                "SCAPE optimizer applies. Use ScapeAdamS, and accumulate gradients under ddp.no_sync()."
+            )
+        self._current.synced.update(names)
+        self.counters["hook_calls"] += 1
+
+    def record_sent(self, name: str, mask: Tensor, values: Tensor) -> None:
+        self._current.sent[name] = (mask, values)
+
+    def record_nonfinite(self) -> None:
+        self._current.nonfinite = True
+
+    def count(self, values: int, nbytes: int, dense_bytes: int) -> None:
+        self.counters["values_sent"] += values
+        self.counters["bytes_sent"] += nbytes
+        self.counters["dense_bytes"] += dense_bytes
+
+    # ----- optimizer side -------------------------------------------------------------
+    def begin_step(self, names_with_grad: list[str]) -> tuple[dict[str, Tensor] | None, bool]:
+        """Check the hook synchronized every gradient; returns ``(mask or None, skip)``."""
+        missing = [n for n in names_with_grad if n not in self._current.synced]
+        if missing:
+            if not self._current.synced:
+                raise RuntimeError(
+                    "ScapeAdamS.step() found gradients that scape_hook never synchronized: register "
+                    "it with ddp.register_comm_hook(state, scape_hook) before the first backward"
+                )
+            raise RuntimeError(f"gradients of {missing[:3]} were not synchronized by scape_hook this step")
+        return (None if self.is_dense(self.step) else self.masks[self.step]), self._current.nonfinite
+
+    def end_step(self, momenta: dict[str, Tensor], beta1: dict[str, float], skipped: bool) -> None:
+        """Close the step: restore sent values if skipped, then schedule upcoming masks."""
+        if skipped:
+            for name, (mask, values) in self._current.sent.items():
+                self.residual(name).index_add_(0, mask, values.float())
+            self.counters["skipped_steps"] += 1
+        self._current = _Step()
+        done, self.step = self.step, self.step + 1
+        self.counters["steps"] += 1
+        if self.layout is None:
+            return
+        self._finish_pending()
+        target = done + 1 + self.config.mask_delay
+        if not self.is_dense(target):
+            if self._is_refresh(target):
+                self._select(target, momenta, beta1)
+            else:
+                self.masks[target] = self.masks[target - 1]
+        if self.config.mask_delay == 0:
+            self._finish_pending()
+        self.masks = {s: m for s, m in self.masks.items() if s >= self.step}
+
+    def _select(self, target: int, momenta: dict[str, Tensor], beta1: dict[str, float]) -> None:
+        """Score and pick this rank's partitions, then start the all-gather of every rank's picks."""
+        scheduled = self.masks.get(target - 1) if self.config.mask_delay else None
+        picks = {}
+        for slot in self.layout.partition(self.rank):
+            if not slot.k:
+                continue
+            p = self.params[slot.name]
+            part = slice(slot.start, slot.start + slot.size)
+            m = momenta.get(slot.name)
+            m = torch.zeros(slot.size, device=p.device) if m is None else m.view(-1)[part].float()
+            if self.config.score == "momentum_residual" and slot.name in self.residuals:
+                b1 = beta1.get(slot.name, 0.9)
+                score = (b1 * m + (1 - b1) * self.residuals[slot.name][part]).abs_()
+            else:
+                score = m.abs()
+            exclude = None
+            if scheduled is not None:  # its residual is about to be flushed: don't pick it twice
+                idx = scheduled[slot.name]
+                lo, hi = torch.searchsorted(idx, torch.tensor([slot.start, slot.start + slot.size]))
+                exclude = idx[lo:hi] - slot.start
+            picks[slot.name] = select_topk(score, slot.k, exclude)
+        device = next(iter(self.params.values())).device
+        payload = self.layout.encode(self.rank, picks, device=device)
+        out = [torch.empty_like(payload) for _ in range(self.world_size)]
+        work = dist.all_gather(out, payload, group=self.process_group, async_op=True)
+        self.counters["mask_bytes"] += payload.numel()
+        self.counters["bytes_sent"] += payload.numel()
+        self._pending = (target, work, out)
+
+    def _finish_pending(self) -> None:
+        if self._pending is None:
+            return
+        target, work, out = self._pending
+        work.wait()
+        self.masks[target] = {n: m.to(self.params[n].device) for n, m in self.layout.decode(
+            [o.cpu() for o in out]).items()}
+        self._pending = None
+
+    # ----- reporting and checkpoints --------------------------------------------------
+    def stats(self) -> dict[str, float]:
+        """Communication so far on this rank: steps, values/bytes sent, dense bytes, compression."""
+        c = dict(self.counters)
+        c["compression"] = c["dense_bytes"] / c["bytes_sent"] if c["bytes_sent"] else 1.0
+        return c
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state: step, scheduled masks, residuals, counters (waits for a pending mask)."""
+        self._finish_pending()
+        return {
+            "format": STATE_FORMAT,
+            "step": self.step,
+            "world_size": self.world_size,
+            "rank": self.rank,
+            "config": self.config.to_dict(),
+            "shapes": {n: tuple(p.shape) for n, p in self.params.items()},
+            "masks": {s: {n: i.to(torch.int32).cpu() for n, i in m.items()} for s, m in self.masks.items()},
+            "residual": {n: r.detach().cpu().clone() for n, r in self.residuals.items()},
+            "counters": dict(self.counters),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (this rank) or :func:`gather_state_dict` (all ranks).
+
+        A gathered state at the same world size gives each rank its own residual back; at
+        another world size every rank gets the old ranks' mean (keeping the global unsent
+        gradient) with a warning. Everything is validated before anything is changed.
+        """
+        residual = self._check_loadable(state)
+        self._finish_pending()
+        self.step = int(state["step"])
+        self.masks = {int(s): {n: i.to(torch.long).to(self.params[n].device) for n, i in m.items()}
+                      for s, m in state["masks"].items()}
+        self.residuals = {n: r.to(device=self.params[n].device, dtype=torch.float32).clone()
+                          for n, r in residual.items()}
+        self.counters.update(state["counters"])
+        self._current = _Step()
+
+    def _check_loadable(self, state: dict[str, Any]) -> dict[str, Tensor]:
+        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+            raise ValueError("not a SCAPE state (expected the dict from ScapeState.state_dict "
+                             f"or gather_state_dict, format {STATE_FORMAT})")
+        shapes = {n: tuple(s) for n, s in state["shapes"].items()}
+        ours = {n: tuple(p.shape) for n, p in self.params.items()}
+        if shapes != ours:
+            diff = sorted(set(shapes) ^ set(ours)) or [n for n in ours if shapes[n] != ours[n]]
+            raise ValueError(f"SCAPE state was saved for another model: parameters differ at {diff[:5]}")
+        saved = state["config"].get("sparsity")
+        if saved != self.config.sparsity:
+            raise ValueError(f"SCAPE state was saved with sparsity={saved}, this run uses "
+                             f"sparsity={self.config.sparsity}")
+        if "residuals" in state:  # gathered: one residual dict per saved rank
+            per_rank = state["residuals"]
+            if len(per_rank) == self.world_size:
+                return per_rank[self.rank]
+            warnings.warn(f"resuming SCAPE state saved at world size {len(per_rank)} on world size "
+                          f"{self.world_size}: every rank starts from the mean residual", stacklevel=3)
+            names = set().union(*per_rank) if per_rank else set()
+            return {n: torch.stack([r[n] if n in r else torch.zeros_like(self.residual(n).cpu())
+                                    for r in per_rank]).float().mean(0) for n in names}
+        if state["world_size"] != self.world_size or state["rank"] != self.rank:
+            raise ValueError(
+                f"this SCAPE state is rank {state['rank']} of world size {state['world_size']}; "
+                f"to resume on rank {self.rank} of {self.world_size}, save with gather_state_dict()")
+        return state["residual"]
+
+
+def gather_state_dict(state: ScapeState) -> dict[str, Any]:
+    """Every rank's SCAPE state in one object (collective: call on all ranks).
+
+    Rank 0 can write it to a single checkpoint file; :meth:`ScapeState.load_state_dict` on each
+    rank takes its own residual back (or the mean, at another world size).
+
+    Example:
+        >>> full = gather_state_dict(state)          # doctest: +SKIP
+        >>> if dist.get_rank() == 0: torch.save({"scape": full, ...}, path)
+    """
+    own = state.state_dict()
+    names = sorted(own["residual"])
+    numels = [state.params[n].numel() for n in names]
+    local = torch.cat([own["residual"][n] for n in names]) if names else torch.zeros(0)
+    all_names: list[Any] = [None] * state.world_size
+    dist.all_gather_object(all_names, names, group=state.process_group)
+    if any(n != names for n in all_names):
+        raise RuntimeError("ranks hold residuals for different parameters; cannot gather")
+    device = next(iter(state.params.values())).device
+    out = [torch.empty_like(local, device=device) for _ in range(state.world_size)]
+    dist.all_gather(out, local.to(device), group=state.process_group)
+    full = {k: v for k, v in own.items() if k not in ("residual", "rank")}
+    full["residuals"] = [dict(zip(names, o.cpu().split(numels))) for o in out]
+    return full
