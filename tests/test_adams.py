@@ -1,0 +1,106 @@
+"""AdamS against a direct transcription of its formula, and its two code paths."""
+
+import copy
+
+import pytest
+import torch
+
+from scape_core import AdamS, ScapeConfig
+
+
+def transcription(theta, grads, lr, b1, b2, eps, wd):
+    """The contract's formula, coordinate by coordinate, in float64."""
+    theta = [float(x) for x in theta]
+    m = [0.0] * len(theta)
+    for g in grads:
+        for j, gj in enumerate(g):
+            v = b2 * m[j] ** 2 + (1 - b2) * gj ** 2  # previous momentum
+            m[j] = b1 * m[j] + (1 - b1) * gj
+            theta[j] = (1 - lr * wd) * theta[j] - lr * m[j] / (v ** 0.5 + eps)
+    return torch.tensor(theta), torch.tensor(m)
+
+
+@pytest.mark.parametrize("foreach", [False, True])
+def test_adams_matches_formula(foreach):
+    torch.manual_seed(0)
+    theta0 = torch.randn(7, dtype=torch.float64)
+    grads = [torch.randn(7, dtype=torch.float64) for _ in range(5)]
+    p = torch.nn.Parameter(theta0.clone())
+    opt = AdamS([p], lr=0.1, betas=(0.8, 0.9), eps=1e-3, weight_decay=0.5, foreach=foreach)
+    for g in grads:
+        p.grad = g.clone()
+        opt.step()
+    want_theta, want_m = transcription(theta0, grads, 0.1, 0.8, 0.9, 1e-3, 0.5)
+    torch.testing.assert_close(p.detach(), want_theta.double(), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(opt.state[p]["exp_avg"].double(), want_m, rtol=1e-6, atol=1e-6)
+
+
+def test_foreach_equals_reference_and_groups():
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Linear(4, 3))
+    twin = copy.deepcopy(model)
+    groups = lambda m: [{"params": m[0].parameters(), "weight_decay": 0.1}, {"params": m[1].parameters(), "lr": 0.05}]
+    a = AdamS(groups(model), lr=0.01, foreach=True)
+    b = AdamS(groups(twin), lr=0.01, foreach=False)
+    for _ in range(4):
+        x = torch.randn(8, 5)
+        for mod, opt in ((model, a), (twin, b)):
+            opt.zero_grad()
+            mod(x).pow(2).mean().backward()
+            opt.step()
+    for p, q in zip(model.parameters(), twin.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-6, atol=1e-7)
+
+
+def test_bf16_parameters_keep_fp32_state():
+    p = torch.nn.Parameter(torch.randn(16).bfloat16())
+    opt = AdamS([p], lr=1e-2)
+    p.grad = torch.randn(16).bfloat16()
+    opt.step()
+    assert opt.state[p]["exp_avg"].dtype == torch.float32
+    assert p.dtype == torch.bfloat16 and torch.isfinite(p).all()
+
+
+def test_state_dict_round_trip():
+    torch.manual_seed(2)
+    p = torch.nn.Parameter(torch.randn(6))
+    opt = AdamS([p], lr=0.1)
+    p.grad = torch.randn(6)
+    opt.step()
+    saved, theta = copy.deepcopy(opt.state_dict()), p.detach().clone()
+    q = torch.nn.Parameter(theta.clone())
+    other = AdamS([q], lr=0.1)
+    other.load_state_dict(saved)
+    g = torch.randn(6)
+    p.grad, q.grad = g.clone(), g.clone()
+    opt.step(); other.step()
+    assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("kwargs, word", [
+    (dict(lr=-1.0), "lr"), (dict(betas=(1.0, 0.9)), "betas[0]"), (dict(betas=(0.9, -0.1)), "betas[1]"),
+    (dict(eps=-1e-8), "eps"), (dict(weight_decay=-0.1), "weight_decay"), (dict(betas=(0.9,)), "betas"),
+])
+def test_bad_hyperparameters_name_the_argument(kwargs, word):
+    with pytest.raises(ValueError, match=word.replace("[", r"\[").replace("]", r"\]")):
+        AdamS([torch.nn.Parameter(torch.zeros(2))], **kwargs)
+
+
+def test_sparse_gradient_rejected():
+    emb = torch.nn.Embedding(10, 4, sparse=True)
+    opt = AdamS(emb.parameters())
+    emb(torch.tensor([1, 2])).sum().backward()
+    with pytest.raises(TypeError, match="sparse gradients"):
+        opt.step()
+
+
+@pytest.mark.parametrize("kwargs, exc, word", [
+    (dict(sparsity=1.0), ValueError, "sparsity"), (dict(sparsity=-0.1), ValueError, "sparsity"),
+    (dict(sparsity="0.9"), TypeError, "sparsity"), (dict(warmup_steps=-1), ValueError, "warmup_steps"),
+    (dict(warmup_steps=1.5), TypeError, "warmup_steps"), (dict(mask_delay=2), ValueError, "mask_delay"),
+    (dict(mask_refresh=0), ValueError, "mask_refresh"), (dict(score="grad"), ValueError, "score"),
+    (dict(update="nope"), ValueError, "update"), (dict(error_feedback=1), TypeError, "error_feedback"),
+])
+def test_bad_config_names_the_field(kwargs, exc, word):
+    with pytest.raises(exc, match=word):
+        ScapeConfig(**kwargs)

@@ -1,0 +1,297 @@
+"""scape_core on real DDP: 2 gloo processes on CPU."""
+
+import copy
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from scape_core import AdamS, ScapeAdamS, ScapeState, gather_state_dict, scape_hook
+from tests.dist import run_distributed
+
+
+def make_model(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 4))
+
+
+def batch(step: int, rank: int, n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(n, 16, generator=g), torch.randn(n, 4, generator=g)
+
+
+def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return (model(x) - y).pow(2).mean()
+
+
+def scape_setup(model, sparsity, warmup=3, ddp_kwargs=None, **cfg):
+    ddp = DDP(model, **(ddp_kwargs or {}))
+    state = ScapeState(ddp, sparsity=sparsity, warmup_steps=warmup, **cfg)
+    ddp.register_comm_hook(state, scape_hook)
+    opt = ScapeAdamS(ddp.parameters(), state, lr=1e-2, weight_decay=0.1)
+    return ddp, state, opt
+
+
+def train(ddp, opt, rank, steps, start=0):
+    for step in range(start, start + steps):
+        loss_fn(ddp, *batch(step, rank)).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def snapshot(model, opt):
+    return ([p.detach().clone() for p in model.parameters()],
+            [opt.state[p]["exp_avg"].clone() for p in model.parameters()])
+
+
+# ----------------------------------------------------------------------------------------
+def _dense_vs_ddp(rank, world):
+    ref = make_model()
+    ref_ddp = DDP(ref)
+    ref_opt = AdamS(ref_ddp.parameters(), lr=1e-2, weight_decay=0.1)
+    model = make_model()
+    ddp, state, opt = scape_setup(model, sparsity=0.0)
+    train(ref_ddp, ref_opt, rank, 20)
+    train(ddp, opt, rank, 20)
+    return max((p - q).abs().max().item() for p, q in zip(ref.parameters(), model.parameters())), state.stats()
+
+
+def test_sparsity_zero_is_dense_ddp_plus_adams():
+    (diff, stats), _ = run_distributed(_dense_vs_ddp)
+    assert diff <= 1e-6
+    assert stats["hook_calls"] >= 20 and stats["compression"] == 1.0
+
+
+# ----------------------------------------------------------------------------------------
+VARIANTS = {
+    "default": {},
+    "buckets": {"bucket_cap_mb": 0.01},
+    "bucket_view": {"gradient_as_bucket_view": True, "bucket_cap_mb": 0.01},
+    "static_graph": {"static_graph": True},
+}
+
+
+def _variants(rank, world, sparsity):
+    out = {}
+    for name, kw in VARIANTS.items():
+        model = make_model()
+        ddp, state, opt = scape_setup(model, sparsity, warmup=5, ddp_kwargs=kw)
+        train(ddp, opt, rank, 5)
+        before = state.stats()
+        train(ddp, opt, rank, 45, start=5)
+        after = state.stats()
+        sparse = {k: after[k] - before[k] for k in ("bytes_sent", "dense_bytes", "hook_calls", "steps")}
+        out[name] = snapshot(model, opt) + (sparse,)
+    return out
+
+
+@pytest.mark.parametrize("sparsity, bound", [(0.9, 0.1 + 0.04), (0.99, 0.01 + 0.01)])
+def test_replicas_identical_and_bytes_bounded(sparsity, bound):
+    r0, r1 = run_distributed(_variants, sparsity)
+    for name in VARIANTS:
+        (p0, m0, sent), (p1, m1, _) = r0[name], r1[name]
+        assert all(torch.equal(a, b) for a, b in zip(p0, p1)), f"{name}: parameters differ across ranks"
+        assert all(torch.equal(a, b) for a, b in zip(m0, m1)), f"{name}: momenta differ across ranks"
+        ratio = sent["bytes_sent"] / sent["dense_bytes"]
+        assert 0.99 * (1 - sparsity) <= ratio <= bound, (name, ratio)
+        # every DDP layout trains to the same parameters: state is keyed by name, not bucket
+        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(p0, r0["default"][0])), name
+    assert r0["buckets"][2]["hook_calls"] > r0["buckets"][2]["steps"]  # really several buckets
+
+
+# ----------------------------------------------------------------------------------------
+def _conservation(rank, world):
+    model = make_model()
+    ddp, state, opt = scape_setup(model, 0.9, warmup=2)
+    params = list(model.parameters())
+    sum_mean_grad = [torch.zeros_like(p) for p in params]
+    sum_applied = [torch.zeros_like(p) for p in params]
+    for step in range(15):
+        x, y = batch(step, rank)
+        local = torch.autograd.grad(loss_fn(model, x, y), params)
+        for s, g in zip(sum_mean_grad, local):
+            g = g.clone()
+            dist.all_reduce(g)
+            s.add_(g / world)
+        loss_fn(ddp, x, y).backward()
+        for s, p in zip(sum_applied, params):
+            s.add_(p.grad)
+        opt.step()
+        opt.zero_grad()
+    err = 0.0
+    for name, p, a, want in zip(state.params, params, sum_applied, sum_mean_grad):
+        e = state.residual(name).view_as(p).clone()
+        dist.all_reduce(e)
+        err = max(err, (a + e / world - want).abs().max().item())
+    return err, sum(float(r.abs().sum()) for r in state.residuals.values())
+
+
+def test_error_feedback_conserves_gradient_mass():
+    (err, residual_mass), _ = run_distributed(_conservation)
+    assert residual_mass > 0  # something really was held back
+    assert err < 1e-5
+
+
+# ----------------------------------------------------------------------------------------
+def _resume(rank, world):
+    model = make_model()
+    ddp, state, opt = scape_setup(model, 0.9)
+    train(ddp, opt, rank, 20)
+    straight = snapshot(model, opt)
+
+    model = make_model()
+    ddp, state, opt = scape_setup(model, 0.9)
+    train(ddp, opt, rank, 10)
+    ckpt = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(), "scape": gather_state_dict(state)})
+    model = make_model(seed=123)  # a fresh run, then everything restored
+    model.load_state_dict(ckpt["model"])
+    ddp, state, opt = scape_setup(model, 0.9)
+    opt.load_state_dict(ckpt["opt"])
+    state.load_state_dict(ckpt["scape"])
+    train(ddp, opt, rank, 10, start=10)
+    resumed = snapshot(model, opt)
+    return straight, resumed, ckpt["scape"]
+
+
+def _resume_one_rank(rank, world, full):
+    model = make_model()
+    ddp, state, opt = scape_setup(model, 0.9)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state.load_state_dict(full)
+    mean_ok = all(torch.allclose(state.residuals[n], (full["residuals"][0][n] + full["residuals"][1][n]) / 2)
+                  for n in full["residuals"][0])
+    train(ddp, opt, rank, 3, start=full["step"])
+    return [str(w.message) for w in caught], mean_ok, state.step
+
+
+def test_checkpoint_resume_is_bit_for_bit_and_survives_world_size_change():
+    (straight, resumed, full), (straight1, resumed1, _) = run_distributed(_resume)
+    for a, b in zip(straight[0] + straight[1], resumed[0] + resumed[1]):
+        assert torch.equal(a, b)
+    assert len(full["residuals"]) == 2 and full["step"] == 10
+    (caught, mean_ok, step), = run_distributed(_resume_one_rank, full, world_size=1)
+    assert any("world size 2" in w for w in caught)
+    assert mean_ok and step == 13
+
+
+# ----------------------------------------------------------------------------------------
+def _accumulation(rank, world):
+    big = make_model()
+    ddp, _, opt = scape_setup(big, 0.9)
+    for step in range(10):
+        x, y = batch(step, rank, n=16)
+        loss_fn(ddp, x, y).backward()
+        opt.step(); opt.zero_grad()
+    acc = make_model()
+    ddp, state, opt = scape_setup(acc, 0.9)
+    for step in range(10):
+        x, y = batch(step, rank, n=16)
+        with ddp.no_sync():
+            (loss_fn(ddp, x[:8], y[:8]) / 2).backward()
+        (loss_fn(ddp, x[8:], y[8:]) / 2).backward()
+        opt.step(); opt.zero_grad()
+    return max((p - q).abs().max().item() for p, q in zip(big.parameters(), acc.parameters())), state.stats()
+
+
+def test_no_sync_accumulation_matches_one_big_batch():
+    (diff, stats), _ = run_distributed(_accumulation)
+    assert diff < 1e-5
+    assert stats["steps"] == 10
+
+
+# ----------------------------------------------------------------------------------------
+def _nonfinite(rank, world, at_step):
+    model = make_model()
+    ddp, state, opt = scape_setup(model, 0.9, warmup=3)
+    for step in range(12):
+        loss = loss_fn(ddp, *batch(step, rank))
+        if step == at_step and rank == 1:
+            loss = loss * float("inf")
+        loss.backward()
+        opt.step(); opt.zero_grad()
+    finite = all(torch.isfinite(t).all() for t in list(model.parameters()) + list(state.residuals.values())
+                 + [opt.state[p]["exp_avg"] for p in model.parameters()])
+    return snapshot(model, opt), finite, state.stats()["skipped_steps"]
+
+
+@pytest.mark.parametrize("at_step", [1, 7])  # a dense warm-up step and a sparse step
+def test_nonfinite_gradient_on_one_rank_skips_everywhere(at_step):
+    (s0, finite0, skipped0), (s1, finite1, skipped1) = run_distributed(_nonfinite, at_step)
+    assert finite0 and finite1 and skipped0 == skipped1 == 1
+    assert all(torch.equal(a, b) for a, b in zip(s0[0] + s0[1], s1[0] + s1[1]))
+
+
+# ----------------------------------------------------------------------------------------
+def _misuse(rank, world):
+    errors = {}
+    model = make_model()
+    ddp, state, opt = scape_setup(model, 0.9)
+    loss_fn(ddp, *batch(0, rank)).backward()
+    try:  # a second synchronized backward with no optimizer step in between
+        loss_fn(ddp, *batch(1, rank)).backward()
+    except RuntimeError as e:
+        errors["hook_without_step"] = str(e)
+
+    model = make_model()
+    ddp = DDP(model)
+    state = ScapeState(ddp, sparsity=0.9)
+    opt = ScapeAdamS(ddp.parameters(), state)
+    loss_fn(ddp, *batch(0, rank)).backward()
+    try:
+        opt.step()
+    except RuntimeError as e:
+        errors["step_without_hook"] = str(e)
+    try:
+        ScapeAdamS([nn.Parameter(torch.zeros(3))], state)
+    except ValueError as e:
+        errors["foreign_parameter"] = str(e)
+    try:
+        ScapeAdamS(model.parameters(), object())
+    except TypeError as e:
+        errors["not_a_state"] = str(e)
+    try:
+        ScapeState(ddp, sparsity=1.5)
+    except ValueError as e:
+        errors["sparsity"] = str(e)
+    try:
+        ScapeState(ddp, warmup_steps=-2)
+    except ValueError as e:
+        errors["warmup"] = str(e)
+    try:
+        ScapeAdamS(ddp.parameters(), state, lr=-1.0)
+    except ValueError as e:
+        errors["lr"] = str(e)
+    other = nn.Sequential(nn.Linear(16, 8))
+    other_state = ScapeState(DDP(other), sparsity=0.9)
+    saved = copy.deepcopy(state.state_dict())
+    try:
+        other_state.load_state_dict(saved)
+    except ValueError as e:
+        errors["other_model"] = str(e)
+    try:
+        ScapeState(ddp, sparsity=0.5).load_state_dict(saved)
+    except ValueError as e:
+        errors["other_sparsity"] = str(e)
+    try:
+        state.load_state_dict({"step": 3})
+    except ValueError as e:
+        errors["not_scape"] = str(e)
+    errors["other_state_untouched"] = other_state.step == 0 and not other_state.residuals
+    return errors
+
+
+def test_misuse_gives_clear_errors():
+    errors, _ = run_distributed(_misuse)
+    assert "twice without ScapeAdamS.step()" in errors["hook_without_step"]
+    assert "register_comm_hook" in errors["step_without_hook"]
+    assert "not synchronized" in errors["foreign_parameter"]
+    assert "ScapeState" in errors["not_a_state"]
+    assert "sparsity" in errors["sparsity"] and "warmup_steps" in errors["warmup"] and "lr" in errors["lr"]
+    assert "another model" in errors["other_model"]
+    assert "sparsity=0.9" in errors["other_sparsity"]
+    assert "not a SCAPE state" in errors["not_scape"]
+    assert errors["other_state_untouched"] is True
