@@ -24,6 +24,10 @@ class _Bucket:
 def accumulate(state: ScapeState, bucket: dist.GradBucket) -> _Bucket:
     """``a_r = g_r + e_r`` for each parameter of the bucket (in place when the grad is fp32)."""
     names = [state.names[id(p)] for p in bucket.parameters()]
+    buffer = bucket.buffer()
+    if buffer.is_sparse or not buffer.is_floating_point():
+        raise TypeError(f"scape_hook needs dense floating-point gradients; {names} have "
+                        f"{'sparse' if buffer.is_sparse else buffer.dtype} gradients (use nn.Embedding(sparse=False))")
     state.record_sync(names)
     grads = [g.view(-1) for g in bucket.gradients()]
     mask = state.current_mask()

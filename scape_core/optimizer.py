@@ -47,18 +47,21 @@ class ScapeAdamS(AdamS):
     ) -> None:
         if not isinstance(state, ScapeState):
             raise TypeError(f"state must be the ScapeState registered with scape_hook, got {type(state).__name__}")
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=foreach)
         self.scape = state
         self.rule = UPDATE_RULES[state.config.update]
-        self._names: dict[Tensor, str] = {}
-        for group in self.param_groups:
-            for p in group["params"]:
-                if id(p) not in state.names:
-                    shape = tuple(p.shape)
-                    raise ValueError(f"a parameter of shape {shape} is not synchronized by the model of "
-                                     "this ScapeState (frozen, or not part of the DDP model?)")
-                self._names[p] = state.names[id(p)]
+        self._names: dict[Tensor, str] = {}  # filled by add_param_group
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=foreach)
         state.optimizer = self
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """As torch's, but every trainable parameter must be one the state's DDP model synchronizes."""
+        super().add_param_group(param_group)
+        for p in self.param_groups[-1]["params"]:
+            if id(p) in self.scape.names:
+                self._names[p] = self.scape.names[id(p)]
+            elif p.requires_grad:
+                raise ValueError(f"a parameter of shape {tuple(p.shape)} is not synchronized by the model of "
+                                 "this ScapeState (added after DDP was built, or not part of the DDP model?)")
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -67,15 +70,23 @@ class ScapeAdamS(AdamS):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        with_grad = [self._names[p] for g in self.param_groups for p in g["params"] if p.grad is not None]
+        with_grad = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    if p not in self._names:  # frozen at construction, trainable now: DDP never syncs it
+                        raise RuntimeError(f"a parameter of shape {tuple(p.shape)} has a gradient but is not "
+                                           "synchronized by the DDP model; unfreeze before wrapping in DDP")
+                    with_grad.append(self._names[p])
         mask, skip = self.scape.begin_step(with_grad)
         if not skip:
             for group in self.param_groups:
                 self._update(group, mask)
         self.scape.end_step(
             {n: self.state[p][MOMENTUM] for p, n in self._names.items() if MOMENTUM in self.state[p]},
-            {n: g["betas"][0] for g in self.param_groups for p in g["params"] for n in [self._names[p]]},
-            skipped=skip,
+            {n: g["betas"][0] for g in self.param_groups for p in g["params"] if p in self._names
+             for n in [self._names[p]]},
+            applied=set() if skip else set(with_grad),
         )
         return loss
 

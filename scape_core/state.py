@@ -175,11 +175,16 @@ class ScapeState:
             raise RuntimeError(f"gradients of {missing[:3]} were not synchronized by scape_hook this step")
         return (None if self.is_dense(self.step) else self.masks[self.step]), self._current.nonfinite
 
-    def end_step(self, momenta: dict[str, Tensor], beta1: dict[str, float], skipped: bool) -> None:
-        """Close the step: restore sent values if skipped, then schedule upcoming masks."""
-        if skipped:
-            for name, (mask, values) in self._current.sent.items():
+    def end_step(self, momenta: dict[str, Tensor], beta1: dict[str, float], applied: set[str]) -> None:
+        """Close the step, then schedule upcoming masks.
+
+        Values that were synchronized but not applied (a skipped step, or a parameter with no
+        gradient on the optimizer side) go back into the residual: nothing sent is lost.
+        """
+        for name, (mask, values) in self._current.sent.items():
+            if name not in applied:
                 self.residual(name).index_add_(0, mask, values.float())
+        if self._current.nonfinite:
             self.counters["skipped_steps"] += 1
         self._current = _Step()
         done, self.step = self.step, self.step + 1
