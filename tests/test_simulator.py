@@ -1,0 +1,96 @@
+"""The one-process simulator (benchmarks/simulator.py) against the real 2-process SCAPE hook."""
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from benchmarks.simulator import SimulatedScape, SimulatedTopK, rank_gradients
+from scape_core import ScapeAdamS, ScapeConfig, ScapeState, scape_hook
+from tests.dist import run_distributed
+
+STEPS = 20
+LR, WD = 1e-2, 0.1
+CONFIGS = {
+    "default": dict(sparsity=0.9, warmup_steps=3),
+    "delay0_momentum_refresh2": dict(sparsity=0.9, warmup_steps=3, mask_delay=0, score="momentum", mask_refresh=2),
+    "no_warmup": dict(sparsity=0.9, warmup_steps=0),
+}
+
+
+def make_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 4))
+
+
+def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+
+
+def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    return (model(x) - y).pow(2).mean()
+
+
+def _real(rank: int, world: int) -> dict:
+    out = {}
+    for name, cfg in CONFIGS.items():
+        model = make_model()
+        ddp = DDP(model, bucket_cap_mb=0.01)  # several buckets, as a real model would have
+        state = ScapeState(ddp, config=ScapeConfig(**cfg))
+        ddp.register_comm_hook(state, scape_hook)
+        opt = ScapeAdamS(ddp.parameters(), state, lr=LR, weight_decay=WD)
+        for step in range(STEPS):
+            loss_fn(ddp, *batch(step, rank)).backward()
+            opt.step()
+            opt.zero_grad()
+        out[name] = ([p.detach().clone() for p in model.parameters()], state.stats())
+    return out
+
+
+def _simulated(cfg: dict, world: int = 2) -> tuple[list[torch.Tensor], dict]:
+    model = make_model()
+    sim = SimulatedScape(model, world, ScapeConfig(**cfg), lr=LR, weight_decay=WD)
+    for step in range(STEPS):
+        grads, _ = rank_gradients(model, loss_fn, [batch(step, r) for r in range(world)])
+        sim.step(grads)
+    return [p.detach().clone() for p in model.parameters()], sim.counters.as_dict()
+
+
+@pytest.fixture(scope="module")
+def real():
+    return run_distributed(_real)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_simulator_matches_real_hook(real, name):
+    params, stats = _simulated(CONFIGS[name])
+    for rank in (0, 1):
+        ref, ref_stats = real[rank][name]
+        diff = max((p - q).abs().max().item() for p, q in zip(params, ref))
+        assert diff <= 1e-6, f"{name}: simulator and rank {rank} differ by {diff}"
+        for key in ("steps", "values_sent", "bytes_sent", "mask_bytes", "dense_bytes"):
+            assert stats[key] == ref_stats[key], (name, key, stats[key], ref_stats[key])
+    start = [p.detach() for p in make_model().parameters()]
+    assert max((p - q).abs().max().item() for p, q in zip(params, start)) > 1e-3  # it trained
+
+
+def test_topk_sends_union_and_conserves_gradient_mass():
+    model = make_model()
+    n = sum(p.numel() for p in model.parameters())
+    topk = SimulatedTopK(model, world_size=4, density=0.05, warmup_steps=0, lr=0.0)
+    total = {name: torch.zeros(p.numel()) for name, p in model.named_parameters()}
+    applied = {name: torch.zeros(p.numel()) for name, p in model.named_parameters()}
+    for step in range(5):  # lr=0: the gradients are the same function of the same parameters
+        grads, _ = rank_gradients(model, loss_fn, [batch(step, r) for r in range(4)])
+        topk.step(grads)
+        for name, g in grads.items():
+            total[name] += g.mean(0)
+            applied[name] += topk.last_synced[name]
+    for name in total:  # all-reduced plus the mean residual is every mean gradient: nothing lost
+        torch.testing.assert_close(applied[name] + topk.residuals[name].mean(0), total[name])
+    assert 0.05 <= min(topk.union_fraction) and max(topk.union_fraction) <= 4 * 0.06
+    c = topk.counters
+    assert c.bytes_sent == c.values_sent * 4 + c.mask_bytes
+    assert c.mask_bytes == 5 * 4 * sum(-(-p.numel() * 5 // 100) for p in model.parameters())
+    assert c.dense_bytes == 5 * 4 * n
