@@ -1,0 +1,184 @@
+"""The ``accelerate-scape`` command: ``config``, ``env`` and ``launch``, shaped like ``accelerate``'s.
+
+    accelerate-scape config                       # prompts, writes scape_config.yaml next to Accelerate's config
+    accelerate-scape config --sparsity 0.9 --warmup_steps 100   # no prompts: flags + defaults
+    accelerate-scape env                          # resolved settings and where each came from
+    accelerate-scape launch --multi_gpu --num_processes 8 train.py --lr 3e-4
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Any, Callable
+
+import accelerate
+from accelerate.commands.launch import launch_command, launch_command_parser
+from accelerate.commands.utils import CustomArgumentParser
+
+from accelerate_scape import settings as S
+from scape_core import UPDATE_RULES, ScapeConfig, __version__
+from scape_core.config import SCORES
+
+QUESTIONS = {
+    "sparsity": "Fraction of gradient values NOT sent on a sparse step, in [0, 1) (0.99 sends about 1 value in 100)",
+    "warmup_steps": "Dense warm-up steps before sparse communication starts",
+    "mask_delay": "Mask delay: 1 overlaps each mask's all-gather with a whole step, 0 waits for it (ablation)",
+    "mask_refresh": "Optimizer steps between new masks",
+    "error_feedback": "Keep unsent gradient in per-rank error-feedback residuals? (yes/no)",
+    "score": f"Mask score, one of {', '.join(SCORES)}",
+    "update": "Masked update rule, one of {rules}",
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of the ``accelerate-scape`` console script."""
+    parser = CustomArgumentParser("accelerate-scape", allow_abbrev=False,
+                                  description="SCAPE sparse gradient communication for Hugging Face Accelerate. "
+                                              "Commands: config, env, launch (see accelerate-scape <command> -h).")
+    sub = parser.add_subparsers(help="accelerate-scape command helpers")
+    _config_parser(sub)
+    _env_parser(sub)
+    _launch_parser(sub)
+    args = parser.parse_args(argv)
+    if not hasattr(args, "func"):
+        parser.print_help()
+        return 1
+    return args.func(args) or 0
+
+
+# ----- config -------------------------------------------------------------------------
+def _config_parser(sub: Any) -> None:
+    p = sub.add_parser("config", help="Write scape_config.yaml (prompts unless setting flags are given)",
+                       description="Write scape_config.yaml next to Accelerate's default_config.yaml. Without "
+                                   "setting flags it asks for each setting; with flags it writes them plus the "
+                                   "defaults of the others, without prompting.")
+    _add_file_argument(p, f"Where to write (default: {S.default_config_file()}; $SCAPE_CONFIG_FILE overrides)")
+    _add_setting_arguments(p)
+    p.set_defaults(func=_config_command)
+
+
+def _config_command(args: argparse.Namespace) -> int:
+    given = _given_settings(args)
+    try:
+        config = ScapeConfig(**(given if given else _ask_all()))
+    except (TypeError, ValueError) as e:
+        return _fail("config", e)
+    path = S.write_config_file(config, args.scape_config_file)
+    print(f"SCAPE configuration saved at {path}")
+    return 0
+
+
+def _ask_all() -> dict[str, Any]:
+    values = {}
+    for name, default in S.fields().items():
+        question = QUESTIONS.get(name, name).format(rules=", ".join(sorted(UPDATE_RULES)))
+        shown = ("yes" if default else "no") if isinstance(default, bool) else default
+        while True:
+            try:
+                raw = input(f"{question} [{shown}]: ").strip()
+            except EOFError:
+                print()
+                raise ValueError("input ended before every question was answered; nothing written") from None
+            if not raw:
+                values[name] = default
+                break
+            try:
+                values[name] = S.parse_value(name, raw)
+                break
+            except ValueError as e:
+                print(f"  {e}; try again")
+    return values
+
+
+# ----- env ----------------------------------------------------------------------------
+def _env_parser(sub: Any) -> None:
+    p = sub.add_parser("env", help="Print the resolved SCAPE settings and where each came from",
+                       description="Print the resolved SCAPE settings (SCAPE_* environment > scape_config.yaml "
+                                   "> defaults) and where each came from.")
+    _add_file_argument(p, "Read this file instead of the default one")
+    p.set_defaults(func=_env_command)
+
+
+def _env_command(args: argparse.Namespace) -> int:
+    try:
+        resolved = S.resolve_settings(config_file=args.scape_config_file)
+    except (ValueError, FileNotFoundError) as e:
+        return _fail("env", e)
+    accelerate_file = S.accelerate_config_dir() / "default_config.yaml"
+    found = {True: "found", False: "not found"}
+    print(f"- scape-train version: {__version__}")
+    print(f"- Accelerate version: {accelerate.__version__}")
+    print(f"- Accelerate config file: {accelerate_file} ({found[accelerate_file.is_file()]})")
+    print(f"- SCAPE config file: {resolved.file} ({found[resolved.file_found]})")
+    print("- SCAPE settings (precedence: script arguments > SCAPE_* environment > file > default):")
+    print(resolved.describe())
+    return 0
+
+
+# ----- launch -------------------------------------------------------------------------
+def _launch_parser(sub: Any) -> None:
+    p = launch_command_parser(sub)  # Accelerate's own `launch`, every flag unchanged
+    p.description = ("Exactly `accelerate launch`, with the SCAPE settings (flags below > SCAPE_* environment "
+                     "> scape_config.yaml > defaults) exported as SCAPE_* to every process. " + (p.description or ""))
+    group = p.add_argument_group("SCAPE arguments", "Override the SCAPE settings for this launch.")
+    _add_file_argument(group, "Read this SCAPE config file instead of the default one")
+    _add_setting_arguments(group)
+    p.set_defaults(func=_launch_command)
+
+
+def _launch_command(args: argparse.Namespace) -> int:
+    given = _given_settings(args)
+    file = args.scape_config_file
+    for name in [*S.fields(), "scape_config_file", "func"]:
+        delattr(args, name)  # what remains is exactly `accelerate launch`'s namespace
+    try:
+        resolved = S.resolve_settings(given, config_file=file)
+    except (ValueError, FileNotFoundError) as e:
+        return _fail("launch", e)
+    os.environ.update(S.to_environ(resolved.config))
+    if file is not None:
+        os.environ[S.CONFIG_FILE_ENV] = str(resolved.file)
+    summary = ", ".join(f"{n}={getattr(resolved.config, n)}" for n in S.fields())
+    print(f"accelerate-scape: SCAPE settings exported to every process: {summary}", file=sys.stderr)
+    launch_command(args)
+    return 0
+
+
+# ----- shared -------------------------------------------------------------------------
+def _fail(command: str, error: Exception) -> int:
+    """Bad settings: one clear line, no traceback."""
+    print(f"accelerate-scape {command}: error: {error}", file=sys.stderr)
+    return 2
+
+
+def _add_file_argument(p: Any, help: str) -> None:
+    p.add_argument("--scape_config_file", default=None, metavar="PATH", help=help)
+
+
+def _add_setting_arguments(p: Any) -> None:
+    for name, default in S.fields().items():
+        kind = "yes/no" if isinstance(default, bool) else type(default).__name__
+        help = QUESTIONS.get(name, name).format(rules=", ".join(sorted(UPDATE_RULES)))
+        p.add_argument(f"--{name}", default=None, type=_converter(name), metavar=kind.upper(),
+                       help=f"{help} (default {default!r})")
+
+
+def _converter(name: str) -> Callable[[str], Any]:
+    def convert(raw: str) -> Any:
+        try:
+            return S.parse_value(name, raw)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+
+    convert.__name__ = name  # argparse names the converter in its messages
+    return convert
+
+
+def _given_settings(args: argparse.Namespace) -> dict[str, Any]:
+    return {n: getattr(args, n) for n in S.fields() if getattr(args, n) is not None}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

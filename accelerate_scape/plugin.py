@@ -1,0 +1,296 @@
+"""ScapePlugin: SCAPE in a Hugging Face Accelerate training script, in two lines."""
+
+from __future__ import annotations
+
+import os
+import warnings
+import weakref
+from functools import wraps
+from typing import Any
+
+import torch
+from accelerate import Accelerator
+from accelerate.optimizer import AcceleratedOptimizer
+from accelerate.utils import DistributedType, is_compiled_module
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim.lr_scheduler import LRScheduler
+
+from accelerate_scape.settings import Settings, resolve_settings
+from scape_core import AdamS, ScapeAdamS, ScapeState, gather_state_dict, scape_hook
+
+_NOT_DDP = (DistributedType.DEEPSPEED, DistributedType.FSDP, DistributedType.MEGATRON_LM, DistributedType.XLA)
+_CONVERTIBLE = (torch.optim.AdamW, torch.optim.Adam, AdamS)
+_REFUSED = ("amsgrad", "maximize", "differentiable")  # change what Adam computes: AdamS has none of them
+_DROPPED = ("capturable", "fused", "decoupled_weight_decay")  # how torch runs Adam: meaningless for AdamS
+_INACTIVE = {"scape_active": False}  # what a single-process run checkpoints
+
+
+class ScapePlugin:
+    """SCAPE sparse gradient communication for an :class:`accelerate.Accelerator`.
+
+    Settings resolve, per field, as: keyword arguments here > ``SCAPE_*`` environment variables
+    (``accelerate-scape launch`` exports them) > ``scape_config.yaml`` next to Accelerate's
+    config (``accelerate-scape config`` writes it) > ``ScapeConfig`` defaults.
+
+    :meth:`prepare` replaces ``accelerator.prepare``: it prepares everything, converts the
+    optimizer (AdamW, Adam or AdamS) to :class:`~scape_core.ScapeAdamS` with the same parameter
+    groups and hyperparameters, rebinds the LR schedulers passed with it, registers the SCAPE
+    hook on the DDP model (also under ``torch.compile``) and registers this plugin with
+    ``accelerator.register_for_checkpointing``, so ``save_state`` / ``load_state`` keep every
+    rank's SCAPE state (residuals, masks, step) and resume bit-for-bit.
+
+    Works with ``accelerator.accumulate`` (DDP ``no_sync``), ``accelerator.clip_grad_norm_`` and
+    bf16 mixed precision. fp16 (a GradScaler) is refused. Communication stats go to
+    ``accelerator.log`` every ``log_every`` optimizer steps when trackers are set (keys
+    ``scape/bytes_sent``, ``scape/compression``, ..., at ``step`` = SCAPE optimizer steps), or
+    call :meth:`log` yourself. A step that SCAPE skips (a non-finite gradient on any rank) shows as
+    ``accelerator.optimizer_step_was_skipped`` and does not advance the LR scheduler.
+
+    Single process: SCAPE is inactive (nothing to communicate); the optimizer is still converted,
+    to plain :class:`~scape_core.AdamS`, so a 1-process debug run uses the same update rule as
+    SCAPE's dense steps. Its checkpoints resume in a multi-process run (SCAPE starts with its
+    warm-up) and vice versa (SCAPE state ignored, with a warning).
+
+    Args:
+        config_file: a ``scape_config.yaml`` to read instead of the default one (must exist).
+        log_every: optimizer steps between automatic ``accelerator.log`` calls; ``0`` turns it off.
+        **settings: ``ScapeConfig`` fields (``sparsity``, ``warmup_steps``, ``mask_delay``,
+            ``mask_refresh``, ``error_feedback``, ``score``, ``update``): the highest precedence.
+
+    Example:
+        >>> accelerator = Accelerator(mixed_precision="bf16")     # doctest: +SKIP
+        >>> scape = ScapePlugin()                                  # doctest: +SKIP
+        >>> model, optimizer, loader, scheduler = scape.prepare(   # doctest: +SKIP
+        ...     accelerator, model, optimizer, loader, scheduler)
+    """
+
+    def __init__(self, *, config_file: str | os.PathLike | None = None, log_every: int = 10, **settings: Any) -> None:
+        if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 0:
+            raise ValueError(f"log_every must be an int >= 0, got {log_every!r}")
+        self.settings: Settings = resolve_settings(settings, config_file=config_file)
+        self.config = self.settings.config
+        self.log_every = log_every
+        self.accelerator: Accelerator | None = None
+        self.state: ScapeState | None = None  # None while inactive (single process) or before prepare
+        self.optimizer: AdamS | None = None  # the converted optimizer inside the AcceleratedOptimizer
+        self._prepared_optimizer: AcceleratedOptimizer | None = None
+        self._skipped = 0
+
+    @property
+    def active(self) -> bool:
+        """Whether SCAPE communicates (prepared on more than one process)."""
+        return self.state is not None
+
+    # ----- preparation ----------------------------------------------------------------
+    def prepare(self, accelerator: Accelerator, *args: Any, device_placement: list[bool] | None = None) -> Any:
+        """``accelerator.prepare(*args)`` with SCAPE: returns the prepared objects in the same order.
+
+        ``args`` must hold exactly one model and one optimizer (AdamW, Adam or AdamS, not yet
+        prepared or stepped); LR schedulers among them are rebound to the converted optimizer.
+        """
+        if self.accelerator is not None:
+            raise RuntimeError("ScapePlugin.prepare was already called: one plugin serves one model and optimizer")
+        if not isinstance(accelerator, Accelerator):
+            raise TypeError(f"accelerator must be an accelerate.Accelerator, got {type(accelerator).__name__}")
+        placement = list(device_placement) if device_placement is not None else [None] * len(args)
+        if len(placement) != len(args):
+            raise ValueError(f"device_placement has {len(placement)} entries for {len(args)} objects")
+        model_at = _index_of_one(args, nn.Module, "model")
+        opt_at = _index_of_one(args, torch.optim.Optimizer, "optimizer")
+        multi = accelerator.num_processes > 1
+        _check_accelerator(accelerator, multi)
+        original = args[opt_at]
+        groups, defaults = adams_param_groups(original)
+        args = list(args)
+
+        if not multi:
+            converted = AdamS(groups, **defaults)
+            args[opt_at] = converted
+            _rebind_schedulers(args, original, converted)
+            accelerator.print(f"SCAPE: inactive (single process), training densely with AdamS "
+                              f"(converted from {type(original).__name__})")
+            out = _as_list(accelerator.prepare(*args, device_placement=_placement(placement)), len(args))
+        else:
+            model = accelerator.prepare(args[model_at], device_placement=_placement([placement[model_at]]))
+            ddp = find_ddp(model)
+            self.state = ScapeState(ddp, config=self.config)
+            try:
+                ddp.register_comm_hook(self.state, scape_hook)
+            except RuntimeError as e:
+                raise RuntimeError("could not register the SCAPE hook on the DDP model (does "
+                                   "DistributedDataParallelKwargs set a comm_hook? remove it)") from e
+            converted = ScapeAdamS(groups, self.state, **defaults)
+            args[opt_at] = converted
+            _rebind_schedulers(args, original, converted)
+            rest = [i for i in range(len(args)) if i != model_at]
+            prepared = _as_list(accelerator.prepare(*[args[i] for i in rest],
+                                                    device_placement=_placement([placement[i] for i in rest])),
+                                len(rest))
+            out = [None] * len(args)
+            out[model_at] = model
+            for i, obj in zip(rest, prepared):
+                out[i] = obj
+            accelerator.print(f"SCAPE: active on {accelerator.num_processes} processes, "
+                              f"{type(original).__name__} -> ScapeAdamS, settings:\n{self.settings.describe()}")
+
+        self.accelerator = accelerator
+        self.optimizer = converted
+        self._prepared_optimizer = out[opt_at]
+        converted.register_step_post_hook(self._after_step)
+        accelerator.register_for_checkpointing(self)
+        return tuple(out) if len(out) > 1 else out[0]
+
+    # ----- reporting ------------------------------------------------------------------
+    def stats(self) -> dict[str, float]:
+        """This rank's communication so far (``ScapeState.stats()``); empty while inactive."""
+        return self.state.stats() if self.state is not None else {}
+
+    def log(self, step: int | None = None) -> dict[str, float]:
+        """Send :meth:`stats` to ``accelerator.log`` as ``scape/<name>``; returns what was logged.
+
+        ``step`` defaults to the number of SCAPE optimizer steps. Does nothing while inactive.
+        """
+        if self.accelerator is None:
+            raise RuntimeError("call ScapePlugin.prepare before ScapePlugin.log")
+        if self.state is None:
+            return {}
+        values = {f"scape/{k}": v for k, v in self.state.stats().items()}
+        self.accelerator.log(values, step=self.state.step if step is None else step)
+        return values
+
+    def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+        if self.state is None:
+            return
+        skipped = self.state.counters["skipped_steps"] > self._skipped
+        self._skipped = self.state.counters["skipped_steps"]
+        # Accelerate reads this for optimizer_step_was_skipped and to hold the LR scheduler back.
+        self._prepared_optimizer._is_overflow = skipped
+        if self.log_every and self.accelerator.trackers and self.state.step % self.log_every == 0:
+            self.log()
+
+    # ----- checkpoints (called by accelerator.save_state / load_state on every rank) ----
+    def state_dict(self) -> dict[str, Any]:
+        """Every rank's SCAPE state in one object (collective: Accelerate calls it on all ranks)."""
+        return gather_state_dict(self.state) if self.state is not None else dict(_INACTIVE)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`: each rank takes its own residual back."""
+        saved_inactive = state.get("scape_active") is False
+        if self.state is None:
+            if not saved_inactive:
+                warnings.warn("the checkpoint holds SCAPE state from a multi-process run; this single-process "
+                              "run is inactive and ignores it", stacklevel=2)
+            return
+        if saved_inactive:
+            warnings.warn("the checkpoint comes from a single-process run (SCAPE inactive): SCAPE starts "
+                          "fresh, with its dense warm-up", stacklevel=2)
+            return
+        self.state.load_state_dict(state)
+        self._skipped = self.state.counters["skipped_steps"]
+
+
+def adams_param_groups(optimizer: torch.optim.Optimizer) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Parameter groups and defaults of ``optimizer`` (AdamW, Adam or AdamS) for an AdamS.
+
+    Keeps every group key (``lr``, ``betas``, ``eps``, ``weight_decay``, ``foreach``,
+    ``initial_lr``, your own) except Adam-only flags. Adam's ``weight_decay`` (an L2 penalty)
+    becomes decoupled, with a warning.
+
+    Example:
+        >>> opt = torch.optim.AdamW(nn.Linear(2, 2).parameters(), lr=1e-3, weight_decay=0.1)
+        >>> groups, defaults = adams_param_groups(opt)
+        >>> AdamS(groups, **defaults).param_groups[0]["weight_decay"]
+        0.1
+    """
+    name = type(optimizer).__name__
+    if isinstance(optimizer, AcceleratedOptimizer):
+        raise ValueError("pass the optimizer to scape.prepare instead of accelerator.prepare "
+                         "(got an AcceleratedOptimizer)")
+    if type(optimizer) not in _CONVERTIBLE:  # exact type: a subclass may change the update we would drop
+        raise TypeError(f"SCAPE trains with AdamS: got optimizer {name}; scape.prepare converts torch.optim.AdamW, "
+                        "torch.optim.Adam or scape_core.AdamS (same groups and hyperparameters) to ScapeAdamS")
+    if optimizer.state:
+        raise ValueError(f"the {name} already holds state (it stepped or loaded a state dict): pass a fresh "
+                         "optimizer to scape.prepare and restore checkpoints afterwards with accelerator.load_state")
+    for i, group in enumerate(optimizer.param_groups):
+        for flag in _REFUSED:
+            if group.get(flag):
+                raise ValueError(f"{name} param_groups[{i}] sets {flag}=True, which AdamS does not implement")
+        coupled = type(optimizer) is torch.optim.Adam and not group.get("decoupled_weight_decay", False)
+        if coupled and group["weight_decay"]:
+            warnings.warn(f"Adam's weight_decay={group['weight_decay']} (an L2 term) becomes AdamS's decoupled "
+                          "weight decay (as AdamW)", stacklevel=3)
+    groups = [{k: v for k, v in g.items() if k not in _REFUSED + _DROPPED} for g in optimizer.param_groups]
+    d = optimizer.defaults
+    defaults = dict(lr=d["lr"], betas=tuple(d["betas"]), eps=d["eps"], weight_decay=d["weight_decay"],
+                    foreach=d.get("foreach"))
+    return groups, defaults
+
+
+def find_ddp(model: nn.Module) -> DistributedDataParallel:
+    """The DDP module of a prepared model: ``model`` itself or inside ``torch.compile``'s wrapper."""
+    found = model
+    while not isinstance(found, DistributedDataParallel):
+        inner = found._modules.get("_orig_mod") if is_compiled_module(found) else None
+        if inner is None:
+            raise RuntimeError(f"SCAPE found no DistributedDataParallel in the prepared model "
+                               f"({type(model).__name__}): does the model have trainable parameters?")
+        found = inner
+    return found
+
+
+def _check_accelerator(accelerator: Accelerator, multi: bool) -> None:
+    if accelerator.distributed_type in _NOT_DDP:
+        raise ValueError(f"SCAPE runs on DDP data parallelism; this Accelerator uses {accelerator.distributed_type}. "
+                         "Launch without DeepSpeed / FSDP / Megatron-LM / XLA.")
+    if multi and (accelerator.mixed_precision == "fp16" or accelerator.scaler is not None):
+        raise ValueError("SCAPE does not support mixed_precision='fp16': its GradScaler skips optimizer steps "
+                         "behind SCAPE's back and scales the gradients SCAPE keeps in residuals. "
+                         "Use mixed_precision='bf16' (or 'no').")
+
+
+def _index_of_one(args: tuple[Any, ...], kind: type, what: str) -> int:
+    found = [i for i, a in enumerate(args) if isinstance(a, kind)]
+    if len(found) != 1:
+        raise ValueError(f"scape.prepare takes exactly one {what}, got {len(found)}; "
+                         f"prepare any other with accelerator.prepare")
+    return found[0]
+
+
+def _rebind_schedulers(args: list[Any], old: torch.optim.Optimizer, new: torch.optim.Optimizer) -> None:
+    """Point the LR schedulers in ``args`` (and their children) at the converted optimizer."""
+
+    def rebind(scheduler: Any) -> bool:
+        hit = getattr(scheduler, "optimizer", None) is old
+        if hit:
+            scheduler.optimizer = new
+        for child in getattr(scheduler, "_schedulers", ()):  # SequentialLR, ChainedScheduler
+            hit = rebind(child) or hit
+        return hit
+
+    hits = [rebind(a) for a in args if isinstance(a, LRScheduler)]
+    if any(hits) and not hasattr(new.step, "_wrapped_by_lr_sched"):
+        _track_step_called(new)
+
+
+def _track_step_called(opt: torch.optim.Optimizer) -> None:
+    """What LRScheduler.__init__ does to its optimizer, so its order check keeps working."""
+    opt_ref, func = weakref.ref(opt), opt.step.__func__
+
+    @wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        o = opt_ref()
+        o._opt_called = True
+        return func.__get__(o, o.__class__)(*args, **kwargs)
+
+    wrapper._wrapped_by_lr_sched = True
+    opt.step = wrapper
+
+
+def _placement(placement: list[bool | None]) -> list[bool | None] | None:
+    return None if all(p is None for p in placement) else placement
+
+
+def _as_list(result: Any, n: int) -> list[Any]:
+    return [result] if n == 1 else list(result)
