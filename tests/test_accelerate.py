@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from accelerate.tracking import GeneralTracker
 from torch import nn
 
 from accelerate_scape.settings import (default_config_file, load_config_file, resolve_settings, to_environ,
@@ -85,32 +86,25 @@ def _report(scape, model, optimizer, scheduler) -> dict:
     }
 
 
-class _ListTracker:
-    """An accelerate tracker that keeps what it is given (built lazily: accelerate imports late)."""
+class ListTracker(GeneralTracker):
+    """An Accelerate tracker that keeps what it is given."""
 
-    @staticmethod
-    def make():
-        from accelerate.tracking import GeneralTracker
+    name = "list"
+    requires_logging_directory = False
 
-        class ListTracker(GeneralTracker):
-            name = "list"
-            requires_logging_directory = False
+    def __init__(self):
+        super().__init__()
+        self.logged: list = []
 
-            def __init__(self):
-                super().__init__()
-                self.logged: list = []
+    @property
+    def tracker(self):
+        return self.logged
 
-            @property
-            def tracker(self):
-                return self.logged
+    def store_init_configuration(self, values):
+        pass
 
-            def store_init_configuration(self, values):
-                pass
-
-            def log(self, values, step=None, **kwargs):
-                self.logged.append((step, dict(values)))
-
-        return ListTracker()
+    def log(self, values, step=None, **kwargs):
+        self.logged.append((step, dict(values)))
 
 
 def _script_main(out: Path) -> None:
@@ -118,7 +112,7 @@ def _script_main(out: Path) -> None:
     rank = int(os.environ["RANK"])
     result = {}
     # 1. uninterrupted run, stats logged through a tracker
-    tracker = _ListTracker.make()
+    tracker = ListTracker()
     acc, scape, model, opt, loader, sched = _build(dict(log_with=[tracker]), dict(SPARSE, log_every=1))
     acc.init_trackers("scape-test")
     _train(acc, model, opt, loader, sched, STEPS)
