@@ -7,6 +7,7 @@
 """
 
 from scape_core.adams import AdamS
+from scape_core.checkpoint import load_checkpoint, save_checkpoint
 from scape_core.config import ScapeConfig
 from scape_core.hook import scape_hook
 from scape_core.optimizer import ScapeAdamS
@@ -20,6 +21,8 @@ __all__ = [
     "ScapeState",
     "scape_hook",
     "gather_state_dict",
+    "save_checkpoint",
+    "load_checkpoint",
     "UPDATE_RULES",
     "UpdateRule",
     "register_update_rule",

@@ -29,6 +29,20 @@ def parameter_names(model: nn.Module) -> dict[str, Tensor]:
     return named
 
 
+def _check_model(model: nn.Module) -> None:
+    """SCAPE replaces DDP's gradient all-reduce: refuse models it cannot serve, at setup."""
+    inner = getattr(model, "_orig_mod", model)  # torch.compile wrapper
+    if not isinstance(inner, nn.parallel.DistributedDataParallel):
+        raise TypeError(
+            f"ScapeState needs the DistributedDataParallel-wrapped model, got {type(inner).__name__} "
+            "(FSDP and DeepSpeed shard gradients themselves and are not supported)"
+        )
+    for name, module in inner.module.named_modules():
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse:
+            raise TypeError(f"{name or 'the model'} is an embedding with sparse=True; SCAPE needs dense "
+                            "gradients: build it with sparse=False")
+
+
 @dataclass
 class _Step:
     """What the hook recorded during the current step's backward."""
@@ -70,7 +84,7 @@ class ScapeState:
     ``m``, parameters and residuals stay finite.
 
     Args:
-        model: the DDP-wrapped model (or any module whose parameters DDP synchronizes).
+        model: the DistributedDataParallel-wrapped model (optionally under torch.compile).
         sparsity: shorthand for ``ScapeConfig.sparsity``.
         config: a full :class:`ScapeConfig`; other keyword arguments override its fields.
         process_group: the group to communicate over (default: the world).
@@ -95,6 +109,7 @@ class ScapeState:
         self.process_group = process_group
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
+        _check_model(model)
         self.params = parameter_names(model)
         if not self.params:
             raise ValueError("the model has no trainable parameters")
@@ -270,7 +285,7 @@ class ScapeState:
         another world size every rank gets the old ranks' mean (keeping the global unsent
         gradient) with a warning. Everything is validated before anything is changed.
         """
-        residual = self._check_loadable(state)
+        residual = self.check_loadable(state)
         self._finish_pending()
         self.step = int(state["step"])
         self.masks = {int(s): {n: i.to(torch.long).to(self.params[n].device) for n, i in m.items()}
@@ -280,7 +295,8 @@ class ScapeState:
         self.counters.update(state["counters"])
         self._current = _Step()
 
-    def _check_loadable(self, state: dict[str, Any]) -> dict[str, Tensor]:
+    def check_loadable(self, state: dict[str, Any]) -> dict[str, Tensor]:
+        """Validate a saved state against this run (raises ValueError); returns this rank's residual."""
         if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
             raise ValueError("not a SCAPE state (expected the dict from ScapeState.state_dict "
                              f"or gather_state_dict, format {STATE_FORMAT})")

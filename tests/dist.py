@@ -20,8 +20,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def _worker(fn: Callable, rank: int, world_size: int, port: int, out: str, args: tuple) -> None:
+def _worker(fn: Callable, rank: int, world_size: int, port: int, out: str) -> None:
     torch.set_num_threads(1)
+    args = torch.load(Path(out) / "args.pt", weights_only=False)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
@@ -39,7 +40,10 @@ def run_distributed(fn: Callable, *args: Any, world_size: int = 2, timeout: floa
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory() as out:
         port = free_port()
-        procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, out, args)) for r in range(world_size)]
+        # through a file, not pickled process arguments: those would put tensors in memory
+        # shared by every rank, and optimizers load state without copying it
+        torch.save(args, Path(out) / "args.pt")
+        procs = [ctx.Process(target=_worker, args=(fn, r, world_size, port, out)) for r in range(world_size)]
         for p in procs:
             p.start()
         for p in procs:

@@ -1,0 +1,214 @@
+"""Faults, bad input and long runs: nothing lost, clear errors (see docs/reliability.md)."""
+
+import gc
+import os
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from scape_core import ScapeAdamS, ScapeState, gather_state_dict, load_checkpoint, save_checkpoint, scape_hook
+from tests.dist import run_distributed
+from tests.test_core_ddp import batch, loss_fn, make_model, scape_setup, snapshot, train
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def torchrun(out: Path, *args: str) -> list[str]:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "--max-restarts", "1", str(ROOT / "tests/scripts/elastic_train.py"), str(out), *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return [(out / f"rank{r}.txt").read_text() for r in range(2)] + [proc.stdout]
+
+
+def test_rank_killed_under_torchrun_resumes_to_the_same_state(tmp_path):
+    crashed = torchrun(tmp_path / "crash", "--fail-at", "25") if (tmp_path / "crash").mkdir() is None else None
+    straight = torchrun(tmp_path / "straight") if (tmp_path / "straight").mkdir() is None else None
+    assert (tmp_path / "crash" / "died").exists() and "resumed at step 20" in crashed[2]
+    for r in range(2):  # parameters, momenta, residuals and step match the run that never crashed
+        assert crashed[r] == straight[r]
+    p0, m0, _, _ = crashed[0].split()
+    p1, m1, _, _ = crashed[1].split()
+    assert (p0, m0) == (p1, m1)  # replicas identical
+
+
+# ----------------------------------------------------------------------------------------
+def _train_and_gather(rank, world, steps):
+    model = make_model()
+    ddp, state, opt = scape_setup(model, 0.9)
+    train(ddp, opt, rank, steps)
+    return {"model": model.state_dict(), "opt": opt.state_dict(), "scape": gather_state_dict(state)}
+
+
+def _resume_elsewhere(rank, world, ckpt):
+    model = make_model()
+    model.load_state_dict(ckpt["model"])
+    ddp, state, opt = scape_setup(model, 0.9)
+    opt.load_state_dict(ckpt["opt"])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        state.load_state_dict(ckpt["scape"])
+    old = ckpt["scape"]["residuals"]
+    mean = {n: sum(r[n] for r in old) / len(old) for n in old[0]}
+    mean_kept = all(torch.allclose(state.residuals[n], mean[n]) for n in mean)
+    train(ddp, opt, rank, 5, start=ckpt["scape"]["step"])
+    return [str(w.message) for w in caught], mean_kept, snapshot(model, opt)
+
+
+@pytest.mark.parametrize("old, new", [(1, 2), (2, 4)])
+def test_resume_at_another_world_size_keeps_the_mean_residual(old, new):
+    ckpt = run_distributed(_train_and_gather, 8, world_size=old)[0]
+    results = run_distributed(_resume_elsewhere, ckpt, world_size=new)
+    for caught, mean_kept, snap in results:
+        assert any(f"world size {old}" in w for w in caught) and mean_kept
+        assert all(torch.equal(a, b) for a, b in zip(snap[0] + snap[1], results[0][2][0] + results[0][2][1]))
+
+
+# ----------------------------------------------------------------------------------------
+def _truncated(rank, world, path):
+    model = make_model()
+    ddp, state, opt = scape_setup(model, 0.9)
+    train(ddp, opt, rank, 6)
+    save_checkpoint(path, state, model=model, optimizer=opt, step=6)
+    if rank == 0:
+        data = Path(path).read_bytes()
+        Path(path).write_bytes(data[: len(data) // 2])
+    dist.barrier()
+    before = snapshot(model, opt), {n: r.clone() for n, r in state.residuals.items()}, state.step
+    try:
+        load_checkpoint(path, state, model=model, optimizer=opt)
+        error = None
+    except ValueError as e:
+        error = str(e)
+    after = snapshot(model, opt), {n: r.clone() for n, r in state.residuals.items()}, state.step
+    same = (all(torch.equal(a, b) for a, b in zip(before[0][0] + before[0][1], after[0][0] + after[0][1]))
+            and all(torch.equal(before[1][n], after[1][n]) for n in before[1]) and before[2] == after[2])
+    return error, same
+
+
+def test_truncated_checkpoint_is_a_clear_error_and_changes_nothing(tmp_path):
+    for error, same in run_distributed(_truncated, str(tmp_path / "ckpt.pt")):
+        assert error and "truncated" in error
+        assert same
+
+
+# ----------------------------------------------------------------------------------------
+class Branchy(nn.Module):
+    """A trunk, a branch used only on even steps, and a frozen layer."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk = nn.Linear(16, 4)
+        self.branch = nn.Linear(16, 4)
+        self.frozen = nn.Linear(16, 4)
+        self.frozen.requires_grad_(False)
+
+    def forward(self, x, use_branch):
+        out = self.trunk(x) + self.frozen(x)
+        return out + self.branch(x) if use_branch else out
+
+
+def _unused_and_frozen(rank, world):
+    model = Branchy()
+    frozen_before = model.frozen.weight.detach().clone()
+    ddp = DDP(model, find_unused_parameters=True)
+    state = ScapeState(ddp, sparsity=0.75, warmup_steps=2)
+    ddp.register_comm_hook(state, scape_hook)
+    opt = ScapeAdamS(model.parameters(), state, lr=1e-2)  # frozen parameters included, as users do
+    params = list(state.params.values())
+    sum_mean_grad = [torch.zeros_like(p) for p in params]
+    sum_applied = [torch.zeros_like(p) for p in params]
+    for step in range(12):
+        x, y = batch(step, rank)
+        use = step % 2 == 0
+        local = torch.autograd.grad((model(x, use) - y).pow(2).mean(), params, allow_unused=True)
+        for s, g in zip(sum_mean_grad, local):
+            g = torch.zeros_like(s) if g is None else g.clone()
+            dist.all_reduce(g)
+            s.add_(g / world)
+        (ddp(x, use) - y).pow(2).mean().backward()
+        for s, p in zip(sum_applied, params):
+            if p.grad is not None:  # unused this step: DDP leaves no gradient
+                s.add_(p.grad)
+        opt.step()
+        opt.zero_grad()
+    err = 0.0
+    for name, p, a, want in zip(state.params, params, sum_applied, sum_mean_grad):
+        e = state.residual(name).view_as(p).clone()
+        dist.all_reduce(e)
+        err = max(err, (a + e / world - want).abs().max().item())
+    late = None
+    try:
+        opt.add_param_group({"params": [nn.Parameter(torch.zeros(3))]})
+    except ValueError as e:
+        late = str(e)
+    return err, torch.equal(model.frozen.weight, frozen_before), late, "frozen.weight" in state.params
+
+
+def test_unused_and_frozen_parameters_lose_nothing():
+    for err, frozen_same, late, frozen_tracked in run_distributed(_unused_and_frozen):
+        assert err < 1e-5  # values synced for a parameter DDP left without gradient went back
+        assert frozen_same and not frozen_tracked
+        assert late and "not synchronized" in late
+
+
+def _unsupported_setups(rank, world):
+    errors = {}
+    try:
+        ScapeState(make_model(), sparsity=0.9)  # not wrapped in DDP (e.g. FSDP, DeepSpeed, nothing)
+    except TypeError as e:
+        errors["not_ddp"] = str(e)
+    try:
+        ScapeState(DDP(nn.Sequential(nn.Embedding(10, 4, sparse=True))), sparsity=0.9)
+    except TypeError as e:
+        errors["sparse_embedding"] = str(e)
+    return errors
+
+
+def test_unsupported_setups_fail_at_setup():
+    errors, _ = run_distributed(_unsupported_setups)
+    assert "DistributedDataParallel" in errors["not_ddp"] and "FSDP" in errors["not_ddp"]
+    assert "sparse=True" in errors["sparse_embedding"]
+
+
+# ----------------------------------------------------------------------------------------
+def _long_run(rank, world, steps):
+    import hashlib
+
+    import psutil
+
+    model = make_model()
+    ddp, state, opt = scape_setup(model, 0.99, warmup=20)
+    proc = psutil.Process()
+    marks = {}
+    for step in range(steps):
+        loss_fn(ddp, *batch(step, rank)).backward()
+        opt.step()
+        opt.zero_grad()
+        if step + 1 in (steps // 5, steps):
+            gc.collect()
+            tensors = sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
+            marks[step + 1] = (proc.memory_info().rss, tensors)
+    h = hashlib.sha256()
+    for t in snapshot(model, opt)[0] + snapshot(model, opt)[1]:
+        h.update(t.numpy().tobytes())
+    return h.hexdigest(), marks, state.stats()
+
+
+def test_long_run_replicas_identical_and_memory_flat():
+    steps = 1000
+    (h0, marks, stats), (h1, _, _) = run_distributed(_long_run, steps)
+    assert h0 == h1
+    (rss_early, tensors_early), (rss_late, tensors_late) = marks[steps // 5], marks[steps]
+    assert tensors_late <= tensors_early
+    assert rss_late - rss_early < 20 * 2**20, (rss_early, rss_late)
+    assert stats["steps"] == steps and stats["skipped_steps"] == 0
