@@ -1,1 +1,26 @@
-"""Lightning adapter for SCAPE (see lightning_scape.strategy)."""
+"""Lightning adapter for SCAPE: one import, one argument.
+
+    import lightning as L
+    import lightning_scape                      # registers strategy="scape" with Trainer and Fabric
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy="scape")
+    trainer = L.Trainer(strategy=lightning_scape.ScapeStrategy(sparsity=0.9, warmup_steps=50))
+    fabric = L.Fabric(strategy="scape")
+
+Lightning has no entry-point discovery for third-party strategies: the import is what registers
+the names. It registers them with ``lightning`` (required) and, when installed, with the
+standalone ``pytorch_lightning`` / ``lightning_fabric`` packages (classes in
+:mod:`lightning_scape.standalone`).
+"""
+
+import importlib.util
+
+from lightning_scape.optimizers import rebind_schedulers, to_scape_adams
+from lightning_scape.strategy import ScapeFabricStrategy, ScapeStrategy, register
+
+register()
+if importlib.util.find_spec("pytorch_lightning") and importlib.util.find_spec("lightning_fabric"):
+    from lightning_scape import standalone
+
+    standalone.register()
+
+__all__ = ["ScapeStrategy", "ScapeFabricStrategy", "to_scape_adams", "rebind_schedulers"]

@@ -1,0 +1,182 @@
+"""What SCAPE adds to Lightning's DDP strategies, written once for the Trainer and once for Fabric.
+
+The mixins only override Lightning hooks and call ``super()``; the concrete classes in
+:mod:`lightning_scape.strategy` (``lightning``) and :mod:`lightning_scape.standalone`
+(``pytorch_lightning`` / ``lightning_fabric``) put them in front of each package's ``DDPStrategy``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from typing import Any, Callable
+
+from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+
+from lightning_scape.optimizers import rebind_schedulers, to_scape_adams
+from scape_core import ScapeAdamS, ScapeConfig, ScapeState, gather_state_dict, scape_hook
+
+CHECKPOINT_KEY = "scape"  # checkpoint entry holding every rank's SCAPE state (gather_state_dict)
+PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
+NAMES = {"scape": "popen", "scape_spawn": "spawn"}  # registered name -> start_method, as "ddp" / "ddp_spawn"
+LOGGED = ("bytes_sent", "dense_bytes", "compression", "skipped_steps")
+_CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(ScapeConfig))
+_FOREIGN_HOOK_ARGS = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
+
+
+def check_precision(plugin: Any) -> None:
+    """Refuse precision plugins SCAPE cannot train with, saying what to use instead."""
+    precision = getattr(plugin, "precision", None)
+    if getattr(plugin, "scaler", None) is not None or precision == "16-mixed":
+        raise ValueError(
+            "SCAPE does not support precision='16-mixed': its gradient scaler skips optimizer.step() when "
+            "gradients overflow, which SCAPE's mask schedule cannot survive, and the residuals would be kept "
+            "in scaled units. Use precision='bf16-mixed' (or '32-true')."
+        )
+    if precision not in PRECISIONS:
+        raise ValueError(f"SCAPE supports precision {PRECISIONS}, got {precision!r} ({type(plugin).__name__})")
+
+
+def scape_metrics(state: ScapeState) -> dict[str, float]:
+    """``scape/<counter>`` for the logged counters (cumulative on this rank since the run began)."""
+    stats = state.stats()
+    return {f"scape/{name}": float(stats[name]) for name in LOGGED}
+
+
+class ScapeStrategyMixin:
+    """The SCAPE config (any :class:`ScapeConfig` field as a keyword) and the state built at setup."""
+
+    def __init__(self, config: ScapeConfig | None = None, **kwargs: Any) -> None:
+        if config is not None and not isinstance(config, ScapeConfig):
+            raise TypeError(f"config must be a ScapeConfig, got {type(config).__name__}")
+        fields = {k: kwargs.pop(k) for k in list(kwargs) if k in _CONFIG_FIELDS}
+        self.scape_config = (config or ScapeConfig()).replace(**fields)
+        for name in _FOREIGN_HOOK_ARGS:
+            if kwargs.get(name) is not None:
+                raise TypeError(f"{type(self).__name__} registers SCAPE's communication hook itself; "
+                                f"{name} is not supported")
+        known = set(inspect.signature(super().__init__).parameters)
+        known |= set(inspect.signature(DistributedDataParallel.__init__).parameters)
+        unknown = sorted(set(kwargs) - known)
+        if unknown:
+            raise TypeError(f"{type(self).__name__} got unknown argument(s) {unknown}: expected ScapeConfig "
+                            f"fields {sorted(_CONFIG_FIELDS)}, strategy or DistributedDataParallel arguments")
+        super().__init__(**kwargs)
+        self.scape_state: ScapeState | None = None
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        for name, start_method in NAMES.items():
+            strategy_registry.register(name, cls, description=f"SCAPE sparse DDP, start_method={start_method!r}",
+                                       override=True, start_method=start_method)
+
+    def _attach_scape(self, ddp: DistributedDataParallel) -> ScapeState:
+        """Register the SCAPE hook on ``ddp`` whatever the device (Lightning only does so on CUDA)."""
+        state = ScapeState(ddp, config=self.scape_config, process_group=self._ddp_kwargs.get("process_group"))
+        ddp.register_comm_hook(state, scape_hook)
+        return state
+
+    def _convert_optimizers(self, optimizers: list[Optimizer]) -> ScapeAdamS:
+        if len(optimizers) != 1:
+            raise ValueError(f"SCAPE trains with exactly one optimizer, got {len(optimizers)}")
+        if self.scape_state is None:
+            raise RuntimeError("set up the model before its optimizer: SCAPE binds the optimizer to the model's state")
+        return to_scape_adams(optimizers[0], self.scape_state)
+
+    def _check_hook_ran(self) -> None:
+        counters = self.scape_state.counters
+        if counters["steps"] and not counters["hook_calls"]:
+            raise RuntimeError("the SCAPE communication hook never ran: gradients reached the optimizer without "
+                               "going through the DistributedDataParallel model's backward")
+
+
+class TrainerStrategyMixin(ScapeStrategyMixin):
+    """Trainer side: overrides ``DDPStrategy`` hooks (setup, hook registration, optimizers, checkpoints)."""
+
+    def setup(self, trainer: Any) -> None:
+        if trainer.state.fn == "fit":  # validate/test/predict do not communicate gradients
+            check_precision(self.precision_plugin)
+        super().setup(trainer)
+
+    def _register_ddp_hooks(self) -> None:
+        self.scape_state = self._attach_scape(self.model)
+
+    def setup_optimizers(self, trainer: Any) -> None:
+        super().setup_optimizers(trainer)
+        converted = self._convert_optimizers(self.optimizers)
+        rebind_schedulers([c.scheduler for c in self.lr_scheduler_configs], self.optimizers[0], converted)
+        self.optimizers = [converted]
+
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        self._check_hook_ran()
+        self.lightning_module.log_dict(scape_metrics(self.scape_state), prog_bar=True, on_step=True, on_epoch=False)
+        return output
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:
+        # Runs on every rank (only rank 0 writes), so the collective gather is safe here.
+        if "optimizer_states" in checkpoint and self.scape_state is not None:
+            checkpoint = {**checkpoint, CHECKPOINT_KEY: gather_state_dict(self.scape_state)}
+        super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
+        if CHECKPOINT_KEY not in checkpoint:
+            raise KeyError(f"the checkpoint has no {CHECKPOINT_KEY!r} entry (saved without SCAPE?): it cannot resume "
+                           "a SCAPE run; load its weights only (e.g. LightningModule.load_state_dict) and start anew")
+        self.scape_state.load_state_dict(checkpoint[CHECKPOINT_KEY])
+        super().load_optimizer_state_dict(checkpoint)
+
+
+class FabricStrategyMixin(ScapeStrategyMixin):
+    """Fabric side: overrides ``DDPStrategy`` hooks (module/optimizer setup, step, save/load)."""
+
+    def setup_module(self, module: Module) -> DistributedDataParallel:
+        check_precision(self.precision)
+        if self.scape_state is not None:
+            raise RuntimeError(f"{type(self).__name__} trains one model per Fabric; this one already set up a "
+                               "model (use a separate Fabric for another)")
+        ddp = super().setup_module(module)
+        self.scape_state = self._attach_scape(ddp)
+        return ddp
+
+    def setup_optimizer(self, optimizer: Optimizer) -> ScapeAdamS:
+        return self._convert_optimizers([super().setup_optimizer(optimizer)])
+
+    def setup_module_and_optimizers(
+        self, module: Module, optimizers: list[Optimizer], scheduler: Any = None
+    ) -> tuple[Module, list[Optimizer], Any]:
+        if len(optimizers) != 1:
+            raise ValueError(f"SCAPE trains with exactly one optimizer, got {len(optimizers)}")
+        module, converted, scheduler = super().setup_module_and_optimizers(module, optimizers, scheduler)
+        if scheduler is not None:
+            rebind_schedulers([scheduler], optimizers[0], converted[0])
+        return module, converted, scheduler
+
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, **kwargs)
+        self._check_hook_ran()
+        return output
+
+    def _holds_scape_optimizer(self, state: Any) -> bool:
+        return (isinstance(state, dict) and self.scape_state is not None
+                and any(obj is self.scape_state.optimizer for obj in state.values()))
+
+    def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Any = None,
+                        filter: dict[str, Callable[[str, Any], bool]] | None = None) -> None:
+        if self._holds_scape_optimizer(state):  # fabric.save runs on every rank: the gather is safe
+            if CHECKPOINT_KEY in state:
+                raise ValueError(f"the state to save already has a {CHECKPOINT_KEY!r} key, which SCAPE uses")
+            state = {**state, CHECKPOINT_KEY: gather_state_dict(self.scape_state)}
+        super().save_checkpoint(path, state, storage_options=storage_options, filter=filter)
+
+    def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        remainder = super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+        if self._holds_scape_optimizer(state):
+            if CHECKPOINT_KEY not in remainder:
+                raise KeyError(f"{path} has no {CHECKPOINT_KEY!r} entry (saved without SCAPE?): the optimizer was "
+                               "loaded, but SCAPE's residuals and masks cannot be")
+            self.scape_state.load_state_dict(remainder.pop(CHECKPOINT_KEY))
+        return remainder
