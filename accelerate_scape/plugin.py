@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import os
 import warnings
-import weakref
-from functools import wraps
 from typing import Any
 
 import torch
@@ -18,11 +16,9 @@ from torch.optim.lr_scheduler import LRScheduler
 
 from accelerate_scape.settings import Settings, resolve_settings
 from scape_core import AdamS, ScapeAdamS, ScapeState, gather_state_dict, scape_hook
+from scape_core.convert import adams_param_groups, rebind_schedulers
 
 _NOT_DDP = (DistributedType.DEEPSPEED, DistributedType.FSDP, DistributedType.MEGATRON_LM, DistributedType.XLA)
-_CONVERTIBLE = (torch.optim.AdamW, torch.optim.Adam, AdamS)
-_REFUSED = ("amsgrad", "maximize", "differentiable")  # change what Adam computes: AdamS has none of them
-_DROPPED = ("capturable", "fused", "decoupled_weight_decay")  # how torch runs Adam: meaningless for AdamS
 _INACTIVE = {"scape_active": False}  # what a single-process run checkpoints
 
 
@@ -101,13 +97,13 @@ class ScapePlugin:
         multi = accelerator.num_processes > 1
         _check_accelerator(accelerator, multi)
         original = args[opt_at]
-        groups, defaults = adams_param_groups(original)
+        groups, defaults = _groups_of(original)
         args = list(args)
 
         if not multi:
             converted = AdamS(groups, **defaults)
             args[opt_at] = converted
-            _rebind_schedulers(args, original, converted)
+            rebind_schedulers([a for a in args if isinstance(a, LRScheduler)], original, converted)
             accelerator.print(f"SCAPE: inactive (single process), training densely with AdamS "
                               f"(converted from {type(original).__name__})")
             out = _as_list(accelerator.prepare(*args, device_placement=_placement(placement)), len(args))
@@ -122,7 +118,7 @@ class ScapePlugin:
                                    "DistributedDataParallelKwargs set a comm_hook? remove it)") from e
             converted = ScapeAdamS(groups, self.state, **defaults)
             args[opt_at] = converted
-            _rebind_schedulers(args, original, converted)
+            rebind_schedulers([a for a in args if isinstance(a, LRScheduler)], original, converted)
             rest = [i for i in range(len(args)) if i != model_at]
             prepared = _as_list(accelerator.prepare(*[args[i] for i in rest],
                                                     device_placement=_placement([placement[i] for i in rest])),
@@ -190,42 +186,11 @@ class ScapePlugin:
         self._skipped = self.state.counters["skipped_steps"]
 
 
-def adams_param_groups(optimizer: torch.optim.Optimizer) -> tuple[list[dict[str, Any]], dict[str, Any]]:
-    """Parameter groups and defaults of ``optimizer`` (AdamW, Adam or AdamS) for an AdamS.
-
-    Keeps every group key (``lr``, ``betas``, ``eps``, ``weight_decay``, ``foreach``,
-    ``initial_lr``, your own) except Adam-only flags. Adam's ``weight_decay`` (an L2 penalty)
-    becomes decoupled, with a warning.
-
-    Example:
-        >>> opt = torch.optim.AdamW(nn.Linear(2, 2).parameters(), lr=1e-3, weight_decay=0.1)
-        >>> groups, defaults = adams_param_groups(opt)
-        >>> AdamS(groups, **defaults).param_groups[0]["weight_decay"]
-        0.1
-    """
-    name = type(optimizer).__name__
+def _groups_of(optimizer: torch.optim.Optimizer) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     if isinstance(optimizer, AcceleratedOptimizer):
         raise ValueError("pass the optimizer to scape.prepare instead of accelerator.prepare "
                          "(got an AcceleratedOptimizer)")
-    if type(optimizer) not in _CONVERTIBLE:  # exact type: a subclass may change the update we would drop
-        raise TypeError(f"SCAPE trains with AdamS: got optimizer {name}; scape.prepare converts torch.optim.AdamW, "
-                        "torch.optim.Adam or scape_core.AdamS (same groups and hyperparameters) to ScapeAdamS")
-    if optimizer.state:
-        raise ValueError(f"the {name} already holds state (it stepped or loaded a state dict): pass a fresh "
-                         "optimizer to scape.prepare and restore checkpoints afterwards with accelerator.load_state")
-    for i, group in enumerate(optimizer.param_groups):
-        for flag in _REFUSED:
-            if group.get(flag):
-                raise ValueError(f"{name} param_groups[{i}] sets {flag}=True, which AdamS does not implement")
-        coupled = type(optimizer) is torch.optim.Adam and not group.get("decoupled_weight_decay", False)
-        if coupled and group["weight_decay"]:
-            warnings.warn(f"Adam's weight_decay={group['weight_decay']} (an L2 term) becomes AdamS's decoupled "
-                          "weight decay (as AdamW)", stacklevel=3)
-    groups = [{k: v for k, v in g.items() if k not in _REFUSED + _DROPPED} for g in optimizer.param_groups]
-    d = optimizer.defaults
-    defaults = dict(lr=d["lr"], betas=tuple(d["betas"]), eps=d["eps"], weight_decay=d["weight_decay"],
-                    foreach=d.get("foreach"))
-    return groups, defaults
+    return adams_param_groups(optimizer)
 
 
 def find_ddp(model: nn.Module) -> DistributedDataParallel:
@@ -256,36 +221,6 @@ def _index_of_one(args: tuple[Any, ...], kind: type, what: str) -> int:
         raise ValueError(f"scape.prepare takes exactly one {what}, got {len(found)}; "
                          f"prepare any other with accelerator.prepare")
     return found[0]
-
-
-def _rebind_schedulers(args: list[Any], old: torch.optim.Optimizer, new: torch.optim.Optimizer) -> None:
-    """Point the LR schedulers in ``args`` (and their children) at the converted optimizer."""
-
-    def rebind(scheduler: Any) -> bool:
-        hit = getattr(scheduler, "optimizer", None) is old
-        if hit:
-            scheduler.optimizer = new
-        for child in getattr(scheduler, "_schedulers", ()):  # SequentialLR, ChainedScheduler
-            hit = rebind(child) or hit
-        return hit
-
-    hits = [rebind(a) for a in args if isinstance(a, LRScheduler)]
-    if any(hits) and not hasattr(new.step, "_wrapped_by_lr_sched"):
-        _track_step_called(new)
-
-
-def _track_step_called(opt: torch.optim.Optimizer) -> None:
-    """What LRScheduler.__init__ does to its optimizer, so its order check keeps working."""
-    opt_ref, func = weakref.ref(opt), opt.step.__func__
-
-    @wraps(func)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        o = opt_ref()
-        o._opt_called = True
-        return func.__get__(o, o.__class__)(*args, **kwargs)
-
-    wrapper._wrapped_by_lr_sched = True
-    opt.step = wrapper
 
 
 def _placement(placement: list[bool | None]) -> list[bool | None] | None:

@@ -14,7 +14,7 @@ standalone ``pytorch_lightning`` / ``lightning_fabric`` packages (classes in
 
 import importlib.util
 
-from lightning_scape.optimizers import rebind_schedulers, to_scape_adams
+from scape_core.convert import rebind_schedulers, to_scape_adams
 from lightning_scape.strategy import ScapeFabricStrategy, ScapeStrategy, register
 
 register()

@@ -15,7 +15,7 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
-from lightning_scape.optimizers import rebind_schedulers, to_scape_adams
+from scape_core.convert import rebind_schedulers, to_scape_adams
 from scape_core import ScapeAdamS, ScapeConfig, ScapeState, gather_state_dict, scape_hook
 
 CHECKPOINT_KEY = "scape"  # checkpoint entry holding every rank's SCAPE state (gather_state_dict)

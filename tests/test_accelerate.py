@@ -290,7 +290,7 @@ def test_refuses_fp16_and_other_backends():
 
 
 def test_optimizer_conversion_rules():
-    from accelerate_scape.plugin import adams_param_groups
+    from scape_core.convert import adams_param_groups
 
     model = nn.Linear(3, 2)
     adamw = torch.optim.AdamW([{"params": [model.weight], "tag": "w"}, {"params": [model.bias], "lr": 5e-3}],
