@@ -69,7 +69,8 @@ class SimulatedScape:
         send: ``"gradient"`` (the core) or ``"momentum"`` (prototype: each rank keeps a local
             momentum ``u_r = beta1 u_r + (1 - beta1) g_r``, accumulates it in the residual,
             sends it, and clears the sent coordinates of ``u_r``, as DGC's momentum correction).
-        score: overrides ``config.score``; ``"residual"`` (prototype) scores ``|e_r|`` alone.
+        score: overrides ``config.score``; prototypes: ``"residual"`` scores ``|e_r|`` alone,
+            ``"age_momentum"`` scores ``|m| * window`` (replicated; needs a rule that tracks windows).
         density_at: prototype sparsity ramp: ``step -> density`` for the mask used at ``step``.
     """
 
@@ -106,6 +107,7 @@ class SimulatedScape:
         self.masks: dict[int, dict[str, Tensor]] = {}
         self.t = 0
         self.counters = Counters()
+        self.sync_counts = {n: torch.zeros(k, dtype=torch.int32) for n, k in self.numels.items()}  # diagnostics
 
     # ----- schedule (ScapeState) ----------------------------------------------------------
     def layout(self, step: int) -> MaskLayout:
@@ -153,6 +155,9 @@ class SimulatedScape:
                 e = self.residuals.get(slot.name)
                 if self.score == "residual" and e is not None:
                     score = e[r, part].abs()
+                elif self.score == "age_momentum" and state is not None and "synced_at" in state:
+                    age = target - state["synced_at"].view(-1)[part].float()  # window length at target
+                    score = m.abs() * age
                 elif self.score == "momentum_residual" and e is not None:
                     score = (b1 * m + (1 - b1) * e[r, part]).abs_()
                 else:
@@ -193,6 +198,7 @@ class SimulatedScape:
                 self.counters.bytes_sent += self.numels[name] * VALUE_BYTES
                 continue
             idx = mask[name]
+            self.sync_counts[name][idx] += 1
             values = (a[:, idx] / W).sum(0)
             if self.config.error_feedback:
                 e = a.clone()

