@@ -84,9 +84,7 @@ def main(argv: list[str] | None = None) -> None:
 
     if accelerator.is_main_process:
         bar.close()
-        report(args, title=f"SCAPE with Accelerate: {args.model} on {corpus.source}, "
-                           f"{accelerator.num_processes} x {accelerator.device.type}, sparsity {args.sparsity}, "
-                           f"{args.warmup_steps} dense warm-up steps",
+        report(args, how="with Accelerate", model=unwrapped, source=corpus.source, device=accelerator.device.type,
                world_size=accelerator.num_processes, val_before=before, val_after=val_loss, seconds=seconds,
                train_curve=train_curve, val_curve=val_curve, stats=scape.stats() or None, warmup_stats=warmup_stats)
     accelerator.end_training()

@@ -161,7 +161,7 @@ def _pretrained(where: str, **kwargs) -> tuple:
     hf_logging.disable_progress_bar()  # one "dequantizing" bar per rank is noise
     tokenizer = AutoTokenizer.from_pretrained(where, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, **kwargs)
-    return tokenizer, model
+    return tokenizer, model.train()  # from_pretrained returns eval mode
 
 
 def _check_hub(name: str) -> None:
@@ -325,16 +325,27 @@ def plot_loss_curve(path: str | os.PathLike, train: list[tuple[int, float]], val
     return str(path)
 
 
-def report(args: argparse.Namespace, *, title: str, world_size: int, val_before: float, val_after: float,
-           seconds: float, train_curve: list[tuple[int, float]], val_curve: list[tuple[int, float]],
-           stats: dict[str, float] | None, warmup_stats: dict[str, float] | None = None) -> dict:
+def describe_scape(args: argparse.Namespace) -> str:
+    """``sparsity 0.99 after 30 dense warm-up steps`` (or the dense baseline), for titles."""
+    if not args.sparsity:
+        return "sparsity 0 (dense DDP + AdamS)"
+    return f"sparsity {args.sparsity} after {args.warmup_steps} dense warm-up steps"
+
+
+def report(args: argparse.Namespace, *, how: str, model: nn.Module, source: str, world_size: int, device: str,
+           val_before: float, val_after: float, seconds: float, train_curve: list[tuple[int, float]],
+           val_curve: list[tuple[int, float]], stats: dict[str, float] | None,
+           warmup_stats: dict[str, float] | None = None) -> dict:
     """Rank 0's ending: the loss-curve PNG, the printed summary, and ``summary.json`` in ``args.out``."""
+    title = (f"SCAPE {how}: {args.model} ({count_parameters(model) / 1e6:.1f}M parameters) on {source}, "
+             f"{world_size} x {device}, {describe_scape(args)}")
     out = Path(args.out)
     steps = len(train_curve)
     tokens = steps * args.batch_size * args.block_size * world_size
     sparse = args.sparsity > 0 and stats is not None
+    warmup_stats = warmup_stats if sparse else None  # all steps dense: no split to show
     png = plot_loss_curve(out / "loss_curve.png", train_curve, val_curve, args.warmup_steps if sparse else None,
-                          title=f"{args.model}, {world_size} ranks, sparsity {args.sparsity}")
+                          title=f"{args.model}, {world_size} ranks, {describe_scape(args)}")
     print("\n" + summary(title=title, val_before=val_before, val_after=val_after, tokens=tokens, seconds=seconds,
                          stats=stats, warmup_stats=warmup_stats, plot=png), flush=True)
     result = dict(vars(args), world_size=world_size, steps=steps, val_loss_before=val_before,

@@ -18,7 +18,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
 from common import (TokenBlocks, add_training_args, check_training_args, cosine_decay, count_parameters,
-                    evaluate, forever, load_model_and_corpus, next_token_loss, report)
+                    describe_scape, evaluate, forever, load_model_and_corpus, next_token_loss, report)
 from scape_core import ScapeAdamS, ScapeState, scape_hook
 
 
@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> None:
     before = evaluate(ddp.module, val, args.val_batches)
     if rank == 0:
         print(f"{args.model}: {count_parameters(model) / 1e6:.1f}M parameters, {world} ranks, "
-              f"sparsity {args.sparsity}, {args.warmup_steps} dense warm-up steps; val loss {before:.3f}")
+              f"{describe_scape(args)}; val loss {before:.3f}")
     batches = forever(train)
     seconds, warmup_stats, train_curve, val_curve = 0.0, None, [], [(0, before)]
     for step in range(1, args.max_steps + 1):
@@ -77,8 +77,8 @@ def main(argv: list[str] | None = None) -> None:
                       f"compression so far {state.stats()['compression']:.1f}x", flush=True)
 
     if rank == 0:
-        report(args, title=f"SCAPE via the DDP comm hook: {args.model} on {corpus.source}, {world} ranks",
-               world_size=world, val_before=before, val_after=val_loss, seconds=seconds,
+        report(args, how="via the DDP comm hook", model=model, source=corpus.source, world_size=world,
+               device=device.type, val_before=before, val_after=val_loss, seconds=seconds,
                train_curve=train_curve, val_curve=val_curve, stats=state.stats(), warmup_stats=warmup_stats)
         print(f"  state.stats()     {state.stats()}")
     dist.destroy_process_group()

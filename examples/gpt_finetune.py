@@ -1,4 +1,5 @@
-"""Train a GPT with SCAPE through PyTorch Lightning: ``Trainer(strategy="scape")``.
+"""Train a GPT with SCAPE through PyTorch Lightning: ``Trainer(strategy="scape")``, here
+``Trainer(strategy=lightning_scape.ScapeStrategy(sparsity=..., warmup_steps=...))``.
 
 Offline, on 2 CPU processes, in a few minutes (on GPUs, the same command uses them)::
 
@@ -25,8 +26,8 @@ from torchmetrics.text import Perplexity
 
 import lightning_scape  # registers Trainer(strategy="scape"); ScapeStrategy(...) picks the settings
 
-from common import (TokenBlocks, add_training_args, check_training_args, cosine_decay, count_parameters,
-                    load_model_and_corpus, next_token_loss, report)
+from common import (TokenBlocks, add_training_args, check_training_args, cosine_decay, load_model_and_corpus,
+                    next_token_loss, report)
 from scape_core import AdamS
 
 
@@ -151,11 +152,9 @@ def main(argv: list[str] | None = None) -> dict:
     if not trainer.is_global_zero:
         return {}
 
-    name = trainer.accelerator.__class__.__name__.replace("Accelerator", "")
-    title = (f"SCAPE with Lightning: {args.model} ({count_parameters(model) / 1e6:.1f}M parameters) on "
-             f"{corpus.source}, {trainer.world_size} x {name}, sparsity {args.sparsity}, "
-             f"{args.warmup_steps} dense warm-up steps of {trainer.global_step}")
-    return report(args, title=title, world_size=trainer.world_size, val_before=before, val_after=after,
+    device = trainer.accelerator.__class__.__name__.replace("Accelerator", "").lower()
+    return report(args, how="with Lightning", model=model, source=corpus.source, world_size=trainer.world_size,
+                  device=device, val_before=before, val_after=after,
                   seconds=recorder.seconds, train_curve=recorder.train, val_curve=sorted(recorder.val.items()),
                   stats=scape_stats(trainer), warmup_stats=recorder.warmup_stats)
 

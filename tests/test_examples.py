@@ -99,6 +99,42 @@ def test_hub_model_offline_fails_at_once_with_the_offline_choices(monkeypatch):
     assert "HF_HUB_OFFLINE" in str(err.value)
 
 
+@pytest.mark.parametrize("flag, value, message", [
+    ("--sparsity", "1.0", "--sparsity must be in [0, 1)"),
+    ("--warmup-steps", "-1", "--warmup-steps must be >= 0"),
+    ("--block-size", "0", "--block-size must be >= 1"),
+    ("--lr", "0", "--lr must be > 0"),
+])
+def test_bad_options_are_refused_by_name(flag, value, message, capsys):
+    import argparse
+
+    p = argparse.ArgumentParser()
+    common.add_training_args(p, out="runs/x")
+    with pytest.raises(SystemExit):
+        common.check_training_args(p, p.parse_args([flag, value]))
+    assert message in capsys.readouterr().err
+    args = common.check_training_args(p, p.parse_args(["--model", "smollm2-135m"]))
+    assert args.lr == common.FINETUNE_LR  # pretrained models default to a fine-tuning lr
+
+
+def test_dense_report_says_dense_and_shows_no_sparse_split(tmp_path, capsys):
+    import argparse
+
+    args = argparse.Namespace(model="scratch", sparsity=0.0, warmup_steps=30, batch_size=2, block_size=8,
+                              out=str(tmp_path))
+    stats = dict(steps=2, bytes_sent=800, dense_bytes=800, mask_bytes=0, compression=1.0)
+    result = common.report(args, how="test", model=torch.nn.Linear(3, 2), source="text", world_size=2,
+                           device="cpu", val_before=2.0, val_after=1.0, seconds=0.5,
+                           train_curve=[(1, 2.0), (2, 1.5)], val_curve=[(0, 2.0), (2, 1.0)],
+                           stats=stats, warmup_stats=dict(stats))
+    out = capsys.readouterr().out
+    assert "sparsity 0 (dense DDP + AdamS)" in out and "compression 1.0x" in out and "sparse steps" not in out
+    assert "perplexity 7.4 -> 2.7" in out  # exp(2), exp(1)
+    assert result["tokens"] == 2 * 2 * 8 * 2 and result["tokens_per_second"] == 128.0
+    assert json.loads((tmp_path / "summary.json").read_text())["val_loss_after"] == 1.0
+    assert (tmp_path / "loss_curve.png").stat().st_size > 1000
+
+
 # ----- the examples, end to end --------------------------------------------------------------------
 
 @needs_data
