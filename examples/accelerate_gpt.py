@@ -25,12 +25,12 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from accelerate_scape import ScapePlugin
-from common import (TokenBlocks, add_training_args, check_training_args, cosine_decay, count_parameters,
-                    evaluate, forever, load_model_and_corpus, next_token_loss, report)
+from common import (HelpFormatter, TokenBlocks, add_training_args, check_training_args, cosine_decay,
+                    count_parameters, evaluate, forever, load_model_and_corpus, next_token_loss, report)
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     add_training_args(p, out="runs/accelerate_gpt")
     p.set_defaults(sparsity=None, warmup_steps=None)  # unset: Accelerate-side settings decide
     args = check_training_args(p, p.parse_args(argv))

@@ -183,12 +183,23 @@ def _check_hub(name: str) -> None:
 
 # ----- training knobs shared by the examples ----------------------------------------------------
 
+class HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """The module docstring as written, and each option's default (when it has one) in ``--help``."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        if action.option_strings and all(action.default is not v for v in (None, False, argparse.SUPPRESS)):
+            text += " (default: %(default)s)"
+        return text
+
+
 def add_training_args(p: argparse.ArgumentParser, out: str) -> None:
     """The options every example takes (model, data, SCAPE, steps, sizes, lr, validation, output)."""
     p.add_argument("--model", default=SCRATCH,
                    help=f"{SCRATCH!r} (a small GPT-2 from scratch), {SMOLLM2!r} (pretrained, offline), "
                         "or a Hugging Face hub name (online)")
-    p.add_argument("--data", default=None, help="a text file to train on (default: tiny Shakespeare)")
+    p.add_argument("--data", default=None, help="a UTF-8 text file to train on, its last 10%% validates "
+                                                "(default: tiny Shakespeare)")
     p.add_argument("--sparsity", type=float, default=0.99, help="fraction of gradient values NOT sent")
     p.add_argument("--warmup-steps", type=int, default=30, help="dense steps before sparse communication")
     p.add_argument("--max-steps", type=int, default=300, help="optimizer steps")
@@ -197,10 +208,10 @@ def add_training_args(p: argparse.ArgumentParser, out: str) -> None:
     p.add_argument("--lr", type=float, default=None,
                    help=f"peak learning rate, cosine-decayed to a tenth (default {DEFAULT_LR[SCRATCH]} from "
                         f"scratch, {FINETUNE_LR} for pretrained models)")
-    p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--weight-decay", type=float, default=0.1, help="decoupled weight decay")
     p.add_argument("--val-every", type=int, default=25, help="validate every N steps")
-    p.add_argument("--val-batches", type=int, default=None, help="cap validation batches per process")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--val-batches", type=int, default=None, help="cap validation batches per process (default: all)")
+    p.add_argument("--seed", type=int, default=0, help="model initialisation and data order")
     p.add_argument("--out", default=out, help="folder for the loss curve, logs and summary.json")
 
 
@@ -281,7 +292,8 @@ def summary(*, title: str, val_before: float, val_after: float, tokens: int, sec
     lines = [title,
              f"  validation loss   {val_before:.3f} -> {val_after:.3f}   "
              f"(perplexity {math.exp(val_before):,.1f} -> {math.exp(val_after):,.1f})",
-             f"  throughput        {tokens / seconds:,.0f} tokens/s   ({tokens:,} tokens in {seconds:.1f} s of training)"]
+             f"  throughput        {tokens / seconds:,.0f} tokens/s   "
+             f"({tokens:,} tokens in {seconds:.1f} s of training)"]
     if stats is not None:
         lines.append(f"  sent per rank     {megabytes(stats['bytes_sent'])}   vs dense DDP "
                      f"{megabytes(stats['dense_bytes'])}   compression {stats['compression']:.1f}x   "

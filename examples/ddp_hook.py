@@ -17,13 +17,14 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
-from common import (TokenBlocks, add_training_args, check_training_args, cosine_decay, count_parameters,
-                    describe_scape, evaluate, forever, load_model_and_corpus, next_token_loss, report)
+from common import (HelpFormatter, TokenBlocks, add_training_args, check_training_args, cosine_decay,
+                    count_parameters, describe_scape, evaluate, forever, load_model_and_corpus,
+                    next_token_loss, report)
 from scape_core import ScapeAdamS, ScapeState, scape_hook
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     add_training_args(p, out="runs/ddp_hook")
     args = check_training_args(p, p.parse_args(argv))
     if "LOCAL_RANK" not in os.environ:

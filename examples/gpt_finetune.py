@@ -5,7 +5,7 @@ Offline, on 2 CPU processes, in a few minutes (on GPUs, the same command uses th
 
     python examples/gpt_finetune.py                                  # small GPT, tiny Shakespeare
     python examples/gpt_finetune.py --sparsity 0                     # the dense baseline, for contrast
-    python examples/gpt_finetune.py --model smollm2-135m --max-steps 40 --batch-size 4
+    python examples/gpt_finetune.py --model smollm2-135m --max-steps 40 --batch-size 4 --val-batches 8
     python examples/gpt_finetune.py --model gpt2 --data my_notes.txt # any hub model, when online
 
 It validates (perplexity) before and after, then prints validation loss and perplexity, tokens/s,
@@ -26,8 +26,8 @@ from torchmetrics.text import Perplexity
 
 import lightning_scape  # registers Trainer(strategy="scape"); ScapeStrategy(...) picks the settings
 
-from common import (TokenBlocks, add_training_args, check_training_args, cosine_decay, load_model_and_corpus,
-                    next_token_loss, report)
+from common import (HelpFormatter, TokenBlocks, add_training_args, check_training_args, cosine_decay,
+                    load_model_and_corpus, next_token_loss, report)
 from scape_core import AdamS
 
 
@@ -111,7 +111,7 @@ def on_gpu(args: argparse.Namespace) -> bool:
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--devices", type=int, default=None,
                    help="processes: default 2 on CPU, every GPU on a GPU machine")
     p.add_argument("--accelerator", default="auto", help="auto (GPUs when there are any), cpu, gpu...")

@@ -26,7 +26,8 @@ needs_data = pytest.mark.skipif(
 def run(cmd: list[str], timeout: float = 180, **env: str) -> subprocess.CompletedProcess:
     environ = dict(os.environ, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", **env)
     proc = subprocess.run(cmd, cwd=EXAMPLES.parent, env=environ, capture_output=True, text=True, timeout=timeout)
-    assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    tail = f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed ({proc.returncode}):\n{tail}"
     return proc
 
 
