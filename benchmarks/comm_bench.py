@@ -1,0 +1,486 @@
+"""What goes over the wire per optimizer step, and what it costs on a fast and a slow link.
+
+Methods, all on the same GPT, initial weights and per-rank batches, interleaved in one run so
+their ratios share the machine's noise:
+
+    no-comm + AdamS     the same per-rank step with no collective at all (the bound)
+    DDP + AdamW         dense all-reduce (torch's allreduce_hook, counted)
+    DDP + AdamS         the same, with SCAPE's base optimizer
+    PowerSGD r4 + AdamW torch's powerSGD_hook, rank 4, error feedback, warm start, one DDP
+                        bucket (its chained collectives race across buckets on gloo)
+    SCAPE 90% / 99%     scape_hook + ScapeAdamS
+
+Per step: median wall time (slowest rank) and, because the machine may be shared, the
+median of per-round ratios against the bound and against dense DDP (the i-th timed step of
+every method ran in the same round); the main thread's CPU seconds (insensitive to load);
+values and bytes this rank hands to collectives (every torch.distributed collective is
+wrapped and counted; SCAPE's own ``state.stats()`` is kept beside it as a check); and bytes
+that crossed the loopback interface (both ranks together, ``/sys/class/net/lo/statistics``).
+
+Links: ``loopback`` (unshaped) and ``slow`` (``tc tbf`` at ``--gbit`` per rank per direction).
+Both run inside a network namespace created here (root only), so the interface counters see
+only this benchmark; every process talks to 127.0.0.1 only, and the namespace is removed at
+the end. Without root (or ``ip``/``tc``), only the unshaped link runs, on the host's loopback,
+and the interface column is marked as shared with whatever else uses it.
+
+    sudo python benchmarks/comm_bench.py                      # ~25M GPT, per-rank batch 1 and 4
+    python benchmarks/comm_bench.py --params 5e6 --steps 2 --rounds 1   # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from bench_common import GPT, batches, count_params, launch, machine, median, shakespeare
+
+ROOT = Path(__file__).resolve().parent.parent
+METHODS = ("no-comm + AdamS", "DDP + AdamW", "DDP + AdamS", "PowerSGD r4 + AdamW", "SCAPE 90%", "SCAPE 99%")
+DENSE = "DDP + AdamW"
+BOUND = "no-comm + AdamS"
+TX = Path("/sys/class/net/lo/statistics/tx_bytes")
+
+
+# ----- counting what is handed to collectives ---------------------------------------------
+class CollectiveCounter:
+    """Wraps torch.distributed's collectives; counts the tensors this rank hands over, per method."""
+
+    INPUT_ARG = {"all_reduce": 0, "broadcast": 0, "all_gather": 1, "all_gather_into_tensor": 1,
+                 "reduce_scatter_tensor": 1, "all_to_all_single": 1}
+
+    def __init__(self) -> None:
+        self.method: str | None = None
+        self.totals: dict[str, dict[str, int]] = defaultdict(lambda: dict(calls=0, values=0, bytes=0))
+
+    def install(self) -> None:
+        for op, arg in self.INPUT_ARG.items():
+            setattr(dist, op, self._wrap(getattr(dist, op), arg))
+
+    def _wrap(self, fn: Callable, arg: int) -> Callable:
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            if self.method is not None:
+                t = args[arg] if len(args) > arg else kwargs.get("tensor", kwargs.get("input_tensor"))
+                c = self.totals[self.method]
+                c["calls"] += 1
+                c["bytes"] += t.numel() * t.element_size()
+                if t.is_floating_point():  # mask payloads are bytes, not values
+                    c["values"] += t.numel()
+            return fn(*args, **kwargs)
+        return counted
+
+
+COUNTER = CollectiveCounter()
+
+
+# ----- methods ------------------------------------------------------------------------------
+@dataclass
+class Method:
+    name: str
+    model: nn.Module
+    opt: torch.optim.Optimizer
+    scape: Any = None  # ScapeState for SCAPE methods
+    data: Any = None  # per-batch-size iterators, identical seeds for every method
+    times: dict[int, list[float]] = field(default_factory=lambda: defaultdict(list))
+    cpu: dict[int, list[float]] = field(default_factory=lambda: defaultdict(list))
+    windows: dict[int, list[dict[str, int]]] = field(default_factory=lambda: defaultdict(list))
+    loss: float = float("nan")
+
+    def step(self, x: torch.Tensor, y: torch.Tensor) -> tuple[float, float]:
+        """Wall seconds, and this thread's CPU seconds (what the step costs whatever the machine's load)."""
+        t0, c0 = time.perf_counter(), time.thread_time()
+        loss = self.model(x, y)
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.loss = float(loss.detach())
+        return time.perf_counter() - t0, time.thread_time() - c0
+
+
+def build(name: str, base: nn.Module, warmup_steps: int) -> Method:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from scape_core import AdamS, ScapeAdamS, ScapeState, scape_hook
+
+    hp = dict(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    model = copy.deepcopy(base)
+    if name == BOUND:
+        return Method(name, model, AdamS(model.parameters(), **hp))
+    # torch's PowerSGD hook launches its P/Q all-reduces from completion callbacks; on gloo those
+    # race with the next bucket's all-reduce and the ranks' collectives mismatch. One bucket avoids it.
+    ddp = DDP(model, bucket_cap_mb=1e4) if name.startswith("PowerSGD") else DDP(model)
+    if name.startswith("DDP"):
+        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+        opt = torch.optim.AdamW if name.endswith("AdamW") else AdamS
+        return Method(name, ddp, opt(ddp.parameters(), **hp))
+    if name.startswith("PowerSGD"):
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=4,
+                                            start_powerSGD_iter=2, use_error_feedback=True, warm_start=True)
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+        return Method(name, ddp, torch.optim.AdamW(ddp.parameters(), **hp))
+    sparsity = float(name.split()[1].rstrip("%")) / 100
+    state = ScapeState(ddp, sparsity=sparsity, warmup_steps=warmup_steps)
+    ddp.register_comm_hook(state, scape_hook)
+    return Method(name, ddp, ScapeAdamS(ddp.parameters(), state, **hp), scape=state)
+
+
+def tx_bytes() -> int:
+    return int(TX.read_text()) if TX.exists() else -1
+
+
+def window(m: Method, batch: int, steps: int, barrier_bytes: int) -> None:
+    """``steps`` timed steps of ``m``, between barriers so the interface counters belong to it."""
+    before = m.scape.stats() if m.scape is not None else None
+    dist.barrier()
+    tx0 = tx_bytes()
+    counted0 = dict(COUNTER.totals[m.name])
+    COUNTER.method = m.name
+    for _ in range(steps):
+        x, y = next(m.data[batch])
+        wall, cpu = m.step(x, y)
+        m.times[batch].append(wall)
+        m.cpu[batch].append(cpu)
+    COUNTER.method = None
+    dist.barrier()  # gloo's barrier also waits for collectives still in flight (SCAPE's mask)
+    tx1 = tx_bytes()
+    w = {k: COUNTER.totals[m.name][k] - counted0.get(k, 0) for k in ("calls", "values", "bytes")}
+    w.update(steps=steps, lo_bytes=tx1 - tx0 - barrier_bytes)
+    if before is not None:
+        after = m.scape.stats()
+        w.update({f"scape_{k}": after[k] - before[k] for k in ("values_sent", "bytes_sent", "mask_bytes")})
+    m.windows[batch].append(w)
+
+
+def worker(args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    data, vocab = shakespeare()
+    torch.manual_seed(0)
+    base = GPT.sized(args.params, vocab, args.context, layers=args.layers)
+    methods = [build(name, base, args.scape_warmup) for name in args.methods]
+    for m in methods:
+        m.data = {b: batches(data, b, args.context, seed=1000 * rank + b) for b in args.batches}
+    COUNTER.install()
+
+    dist.barrier()
+    empty = []
+    for _ in range(3):  # what two barriers and a counter read cost on the interface
+        t0 = tx_bytes()
+        dist.barrier()
+        dist.barrier()
+        empty.append(tx_bytes() - t0)
+    barrier_bytes = min(empty)
+
+    for m in methods:  # untimed: DDP's bucket rebuild, PowerSGD's and SCAPE's dense warm-up
+        for _ in range(args.warm):
+            m.step(*next(m.data[args.batches[0]]))
+    for batch in args.batches:
+        for r in range(args.rounds):
+            order = methods[r % len(methods):] + methods[:r % len(methods)]  # rotate: no fixed slot
+            for m in order:
+                window(m, batch, args.steps, barrier_bytes)
+    gathered: list[Any] = [None] * world
+    dist.all_gather_object(gathered, {m.name: (dict(m.times), dict(m.cpu)) for m in methods})
+    if rank == 0:
+        out = {"params": count_params(base), "world_size": world, "context": args.context,
+               "barrier_bytes": barrier_bytes, "methods": {}}
+        for m in methods:
+            per_step = {b: [max(g[m.name][0][b][i] for g in gathered) for i in range(len(m.times[b]))]
+                        for b in args.batches}
+            cpu = {b: [median([g[m.name][1][b][i] for g in gathered]) for i in range(len(m.cpu[b]))]
+                   for b in args.batches}
+            out["methods"][m.name] = {"times": per_step, "cpu": cpu, "windows": dict(m.windows), "final_loss": m.loss}
+        Path(args.result).write_text(json.dumps(out))
+    dist.destroy_process_group()
+
+
+# ----- the slow link: a network namespace with a rate-limited loopback ----------------------
+class Namespace:
+    """A network namespace whose only interface is its own loopback; removed by :meth:`remove`."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self.created = False
+
+    @staticmethod
+    def unavailable() -> str | None:
+        """Why namespaces cannot be used here, or None; installs iproute2 (apt) if root lacks it."""
+        if os.geteuid() != 0:
+            return "not root: creating a network namespace and shaping its loopback needs root"
+        if not (shutil.which("ip") and shutil.which("tc")):
+            print("`ip`/`tc` missing: installing iproute2 with apt-get", flush=True)
+            try:
+                subprocess.run(["apt-get", "install", "-y", "--no-install-recommends", "iproute2"],
+                               check=True, timeout=300, stdout=subprocess.DEVNULL)
+            except (OSError, subprocess.SubprocessError) as e:
+                return f"`ip`/`tc` missing and installing iproute2 failed ({e})"
+        return None
+
+    def _ip(self, *cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+        return subprocess.run(["ip", *cmd], check=check, timeout=30, capture_output=True, text=True)
+
+    def create(self) -> None:
+        self._ip("netns", "del", self.name, check=False)  # a stale one of the same name
+        listed = self._ip("netns", "list", check=False).stdout.split()
+        for stale in listed:  # left by a run that was killed (its pid is gone)
+            pid = stale.removeprefix("scape-bench-")
+            if stale.startswith("scape-bench-") and pid.isdigit() and not Path(f"/proc/{pid}").exists():
+                self._ip("netns", "del", stale, check=False)
+        r = self._ip("netns", "add", self.name, check=False)
+        if r.returncode:
+            raise RuntimeError(f"cannot create network namespace {self.name}: {r.stderr.strip()}")
+        self.created = True
+        self._ip("netns", "exec", self.name, "ip", "link", "set", "lo", "up")
+
+    def shape(self, rate_mbit: float | None) -> None:
+        """Rate-limit the namespace's loopback (``None``: remove the limit)."""
+        tc = ["ip", "netns", "exec", self.name, "tc", "qdisc"]
+        subprocess.run(tc + ["del", "dev", "lo", "root"], timeout=30, capture_output=True)
+        if rate_mbit is not None:
+            subprocess.run(tc + ["add", "dev", "lo", "root", "tbf", "rate", f"{rate_mbit:g}mbit",
+                                 "burst", "512kb", "latency", "100ms"], check=True, timeout=30)
+
+    def prefix(self) -> list[str]:
+        return ["ip", "netns", "exec", self.name]
+
+    def remove(self) -> None:
+        if self.created:
+            self._ip("netns", "del", self.name, check=False)
+            self.created = False
+
+
+# ----- report -------------------------------------------------------------------------------
+def summarize(raw: dict[str, Any], batches_: list[int]) -> dict[str, Any]:
+    """Per link, batch and method: median step time and per-step communication."""
+    out: dict[str, Any] = {}
+    for link, res in raw.items():
+        for b in batches_:
+            rows = {}
+            times = {name: m["times"][str(b)] for name, m in res["methods"].items()}
+            for name, m in res["methods"].items():
+                ws = m["windows"][str(b)]
+                steps = sum(w["steps"] for w in ws)
+                row = {"time_s": median(times[name]), "times": times[name], "cpu_s": median(m["cpu"][str(b)])}
+                for k in ("values", "bytes", "lo_bytes", "scape_values_sent", "scape_bytes_sent", "scape_mask_bytes"):
+                    if k in ws[0]:
+                        row[k] = sum(w[k] for w in ws) / steps
+                rows[name] = row
+            out[f"{link}/{b}"] = rows
+    return out
+
+
+def ratio(rows: dict[str, Any], a: str, b: str) -> float:
+    """Step time of ``a`` over ``b``: the median of per-round ratios (the i-th steps of all methods
+    ran in the same interleaved round, so slow drift in the machine's load cancels)."""
+    ta, tb = rows[a].get("times"), rows[b].get("times")
+    if ta and tb and len(ta) == len(tb):
+        return median([x / y for x, y in zip(ta, tb)])
+    return rows[a]["time_s"] / rows[b]["time_s"]
+
+
+def fmt_bytes(n: float) -> str:
+    for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
+def tables(summary: dict[str, Any], links: dict[str, str], default_batch: int, context: int,
+           shared_lo: bool = False) -> str:
+    lines = []
+    for key, rows in summary.items():
+        link, b = key.split("/")
+        dense_bytes = rows.get(DENSE, {}).get("bytes")
+        default = " (default)" if int(b) == default_batch else ""
+        lines += [f"\n**{links[link]}, per-rank batch {b} x {context} tokens{default}**\n",
+                  "| method | step (s, median) | / no-comm (paired) | DDP+AdamW / this (paired) | CPU s / step | "
+                  "values handed / step | bytes handed / step | % of dense | "
+                  f"bytes on lo / step ({'host lo, SHARED' if shared_lo else 'both ranks'}) |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for name, r in rows.items():
+            t = r["time_s"]
+            pct = f"{100 * r['bytes'] / dense_bytes:.2f}%" if dense_bytes and "bytes" in r else "-"
+            lines.append(
+                f"| {name} | {t:.3f} | {ratio(rows, name, BOUND):.2f}x | {ratio(rows, DENSE, name):.2f}x | "
+                f"{r.get('cpu_s', float('nan')):.3f} | "
+                f"{r.get('values', 0):,.0f} | "
+                f"{fmt_bytes(r.get('bytes', 0))} | {pct} | {fmt_bytes(max(r.get('lo_bytes', 0), 0))} |")
+    return "\n".join(lines)
+
+
+def targets(summary: dict[str, Any], slow: str | None, default_batch: int) -> list[str]:
+    """The issue's targets, each marked met or not."""
+    lines = []
+    for key, rows in summary.items():
+        if key.startswith("loopback/") and "SCAPE 99%" in rows and DENSE in rows:
+            pct = 100 * rows["SCAPE 99%"]["bytes"] / rows[DENSE]["bytes"]
+            lo = 100 * rows["SCAPE 99%"]["lo_bytes"] / max(rows[DENSE]["lo_bytes"], 1)
+            lines.append(f"- bytes/step at 99% <= 2.5% of dense ({key}): handed {pct:.2f}%, on lo {lo:.2f}% "
+                         f"-> {'MET' if pct <= 2.5 else 'NOT MET'}")
+            break
+    for key, rows in summary.items():
+        if slow is None or not key.startswith(f"{slow}/") or "SCAPE 99%" not in rows:
+            continue
+        s = "SCAPE 99%"
+        tag = " (default batch)" if key == f"{slow}/{default_batch}" else ""
+        checks = []
+        if BOUND in rows:
+            r = ratio(rows, s, BOUND)
+            checks.append(f"SCAPE 99% / no-comm = {r:.2f} (<= 1.25: {'MET' if r <= 1.25 else 'NOT MET'})")
+        if "PowerSGD r4 + AdamW" in rows:
+            r = ratio(rows, "PowerSGD r4 + AdamW", s)
+            checks.append(f"PowerSGD / SCAPE 99% = {r:.2f} (> 1: {'MET' if r > 1 else 'NOT MET'})")
+        if DENSE in rows:
+            d = ratio(rows, DENSE, s)
+            checks.append(f"DDP+AdamW / SCAPE 99% = {d:.2f} (>= 3: {'MET' if d >= 3 else 'NOT MET'})")
+        lines.append(f"- {key}{tag}: " + "; ".join(checks))
+    return lines
+
+
+def plot(summary: dict[str, Any], links: dict[str, str], context: int, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(next(iter(summary.values())))
+    keys = list(summary)
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(14, 5))
+    width = 0.8 / len(keys)
+    for i, key in enumerate(keys):
+        link, b = key.split("/")
+        xs = [j + i * width for j in range(len(names))]
+        rows = summary[key]
+        label = f"{links[link]}, batch {b}x{context} (bound {rows[BOUND]['time_s']:.2f} s)" if BOUND in rows else key
+        ax1.bar(xs, [ratio(rows, n, BOUND) if BOUND in rows else rows[n]["time_s"] for n in names], width, label=label)
+    ax1.axhline(1.25, color="k", ls="--", lw=0.8)
+    ax1.set_xticks([j + 0.4 - width / 2 for j in range(len(names))], names, rotation=25, ha="right")
+    ax1.set_ylabel("step time / no-comm bound (median of per-round ratios)")
+    ax1.set_title("Step time relative to no communication (dashed: 1.25x)")
+    ax1.legend(fontsize=7)
+    first = next((k for k in keys if k.startswith("loopback/")), keys[0])
+    handed = [summary[first][n].get("bytes", 0) for n in names]
+    wire = [max(summary[first][n].get("lo_bytes", 0), 0) for n in names]
+    xs = range(len(names))
+    ax2.bar([x - 0.2 for x in xs], handed, 0.4, label="handed to collectives (one rank)")
+    ax2.bar([x + 0.2 for x in xs], wire, 0.4, label="on the loopback interface (both ranks)")
+    ax2.set_yscale("log")
+    ax2.set_ylim(bottom=1e5)
+    for x, h in zip(xs, handed):
+        ax2.text(x, 1.3e5, "0" if h == 0 else f"{100 * h / max(handed):.1f}%", ha="center", fontsize=8)
+    ax2.set_xticks(list(xs), names, rotation=25, ha="right")
+    ax2.set_ylabel("bytes per optimizer step")
+    ax2.set_title("Bytes per step")
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+# ----- driver -------------------------------------------------------------------------------
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--params", type=float, default=25e6, help="model size target (parameters)")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--context", type=int, default=128, help="tokens per sequence")
+    p.add_argument("--batches", default="1,4", help="per-rank batch sizes (sequences), comma-separated")
+    p.add_argument("--default-batch", type=int, default=1, help="the batch the targets are judged at")
+    p.add_argument("--steps", type=int, default=1, help="timed steps per method per window")
+    p.add_argument("--rounds", type=int, default=4, help="interleaved windows per method per batch")
+    p.add_argument("--warm", type=int, default=3, help="untimed steps per method first")
+    p.add_argument("--scape-warmup", type=int, default=2, help="SCAPE's dense warm-up (< --warm)")
+    p.add_argument("--gbit", type=float, default=1.0, help="slow link: Gbit/s per rank per direction")
+    p.add_argument("--links", default="loopback,slow")
+    p.add_argument("--methods", default=",".join(METHODS))
+    p.add_argument("--timeout", type=float, default=540, help="seconds per link before every rank is killed")
+    p.add_argument("--json", default=str(ROOT / "docs" / "comm_bench.json"))
+    p.add_argument("--plot", default=str(ROOT / "docs" / "comm_bench.png"))
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    args.batches = [int(b) for b in str(args.batches).split(",")]
+    args.methods = [m.strip() for m in args.methods.split(",")] if isinstance(args.methods, str) else args.methods
+    unknown = set(args.methods) - set(METHODS)
+    if unknown:
+        p.error(f"--methods: unknown {sorted(unknown)}; choose from {list(METHODS)}")
+    if args.scape_warmup >= args.warm:
+        p.error("--scape-warmup must be below --warm, so that every timed SCAPE step is sparse")
+    if args.default_batch not in args.batches:
+        p.error(f"--default-batch {args.default_batch} is not in --batches {args.batches}")
+    return args
+
+
+def main() -> None:
+    args = parse()
+    if args.worker:
+        worker(args)
+        return
+    links = [l.strip() for l in args.links.split(",")]
+    world = 2
+    rate_mbit = args.gbit * 1000 * world  # every rank's traffic crosses the one shared loopback queue
+    names = {"loopback": "loopback (unshaped)", "slow": f"{args.gbit:g} Gbit/s per rank (tbf {rate_mbit:g} mbit on lo)"}
+    why = Namespace.unavailable()
+    if why:
+        print(f"NOTE: no network namespace ({why}). The slow link is skipped; the unshaped link runs on "
+              "the host loopback, whose interface counters include any other traffic on it.", flush=True)
+        links = [l for l in links if l != "slow"]
+    ns = Namespace(f"scape-bench-{os.getpid()}")
+    raw: dict[str, Any] = {}
+    worker_argv = [str(Path(__file__).resolve()), "--worker", "--params", str(args.params),
+                   "--layers", str(args.layers), "--context", str(args.context),
+                   "--batches", ",".join(map(str, args.batches)), "--default-batch", str(args.default_batch),
+                   "--steps", str(args.steps), "--rounds", str(args.rounds), "--warm", str(args.warm),
+                   "--scape-warmup", str(args.scape_warmup), "--methods", ",".join(args.methods)]
+    t_start = time.time()
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that `finally` removes the namespace
+    try:
+        if not why:
+            ns.create()
+        for link in links:
+            if not why:
+                ns.shape(rate_mbit if link == "slow" else None)
+            with tempfile.TemporaryDirectory() as tmp:
+                result = Path(tmp) / "result.json"
+                print(f"[{time.time() - t_start:5.0f}s] link {names[link]}: 2 ranks, {args.methods}", flush=True)
+                load = os.getloadavg()[0]
+                launch(worker_argv + ["--result", str(result)], world, args.timeout,
+                       prefix=None if why else ns.prefix())
+                raw[link] = json.loads(result.read_text())
+                raw[link]["loadavg"] = [round(load, 2), round(os.getloadavg()[0], 2)]  # machine noise
+                print(f"  load average (1 min) before/after: {raw[link]['loadavg']}", flush=True)
+    finally:
+        ns.remove()
+    summary = summarize(raw, args.batches)
+    params = next(iter(raw.values()))["params"]
+    report = {"command": " ".join(["python", "benchmarks/comm_bench.py"] + sys.argv[1:]), "machine": machine(),
+              "params": params, "links": {l: names[l] for l in raw}, "namespace": None if why else "isolated",
+              "default_batch": args.default_batch, "context": args.context, "summary": summary, "raw": raw}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(report, indent=1))
+    plot(summary, names, args.context, Path(args.plot))
+    print(f"\nGPT {params / 1e6:.1f}M parameters, 2 ranks (gloo, 1 thread each), {time.time() - t_start:.0f}s; "
+          f"machine {machine()}")
+    print(tables(summary, names, args.default_batch, args.context, shared_lo=bool(why)))
+    print("\nTargets:")
+    print("\n".join(targets(summary, "slow" if "slow" in raw else None, args.default_batch)))
+    print(f"\nwrote {args.json} and {args.plot}")
+
+
+if __name__ == "__main__":
+    main()

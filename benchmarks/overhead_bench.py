@@ -1,0 +1,252 @@
+"""What SCAPE's own work costs per step, against a dense DDP step, on a ~10M-parameter GPT.
+
+Two ranks (gloo, CPU, one thread each) on the host loopback train the same model with
+dense DDP + AdamS and with SCAPE (90%, 99%), interleaved. SCAPE's pieces are timed with
+``time.perf_counter`` by wrapping the core's functions (nothing in ``scape_core`` changes):
+
+    hook        scape_hook's work on the backward: accumulate (g + residual), compact
+                (gather a[M]), launch the all-reduce; plus finish (residual update, scatter
+                back), which runs in gloo's callback thread
+    selection   ScapeState._select: score, top-k, encode, launch the mask all-gather;
+                plus _finish_pending: wait for it and decode the masks
+    optimizer   the update itself (ScapeAdamS._update, or AdamS.step for dense)
+
+Overhead = hook + selection per step, as a fraction of the median dense DDP step (target
+<= 10%). Medians over steps, in wall time and in CPU time of the thread that ran the piece
+(``time.thread_time``: what the work costs whatever else the machine runs). ``--profile``
+adds a torch.profiler table of two SCAPE 99% steps.
+
+    python benchmarks/overhead_bench.py                 # ~10M GPT, per-rank batch 2 x 256
+    python benchmarks/overhead_bench.py --profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import json
+import os
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from bench_common import GPT, batches, count_params, launch, machine, median, shakespeare
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+class Timer:
+    """Wall and CPU seconds (of the calling thread) in each named part during the current step."""
+
+    def __init__(self) -> None:
+        self.wall: dict[str, float] = defaultdict(float)
+        self.cpu: dict[str, float] = defaultdict(float)
+
+    def wrap(self, owner: Any, attr: str, part: str) -> None:
+        fn = getattr(owner, attr)
+
+        @functools.wraps(fn)
+        def timed(*args: Any, **kwargs: Any) -> Any:
+            t0, c0 = time.perf_counter(), time.thread_time()
+            try:
+                return fn(*args, **kwargs)
+            finally:  # one += per call: safe enough from gloo's callback thread
+                self.wall[part] += time.perf_counter() - t0
+                self.cpu[part] += time.thread_time() - c0
+        setattr(owner, attr, timed)
+
+    def take(self) -> tuple[dict[str, float], dict[str, float]]:
+        out = dict(self.wall), dict(self.cpu)
+        self.wall, self.cpu = defaultdict(float), defaultdict(float)
+        return out
+
+
+TIMER = Timer()
+
+
+def instrument() -> None:
+    """Wrap the core's pieces (module attributes, so the hook and the state call the wrappers)."""
+    import scape_core.hook as hook
+    import scape_core.state as state
+    from scape_core import AdamS, ScapeAdamS
+
+    TIMER.wrap(hook, "accumulate", "accumulate")
+    TIMER.wrap(hook, "compact", "compact")
+    TIMER.wrap(hook, "finish", "finish")
+    TIMER.wrap(state, "select_topk", "topk")  # inside _select
+    TIMER.wrap(state.MaskLayout, "encode", "encode")  # inside _select
+    TIMER.wrap(state.ScapeState, "_select", "select")
+    TIMER.wrap(state.ScapeState, "_finish_pending", "mask_wait_decode")
+    TIMER.wrap(state.ScapeState, "end_step", "end_step")
+    TIMER.wrap(ScapeAdamS, "_update", "optimizer")
+    TIMER.wrap(AdamS, "step", "adams_step")  # ScapeAdamS overrides step: this is dense only
+    TIMER.wrap(hook.dist, "all_reduce", "allreduce_launch")
+    TIMER.wrap(state.dist, "all_gather", "gather_launch")  # inside _select
+
+
+def build(name: str, base: torch.nn.Module, warmup: int, mask_refresh: int) -> tuple[Any, Any]:
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from scape_core import AdamS, ScapeAdamS, ScapeState, scape_hook
+
+    hp = dict(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
+    ddp = DDP(copy.deepcopy(base))
+    if name == "DDP + AdamS":
+        ddp.register_comm_hook(None, default_hooks.allreduce_hook)
+        return ddp, AdamS(ddp.parameters(), **hp)
+    state = ScapeState(ddp, sparsity=float(name.split()[1].rstrip("%")) / 100, warmup_steps=warmup,
+                       mask_refresh=mask_refresh)
+    ddp.register_comm_hook(state, scape_hook)
+    return ddp, ScapeAdamS(ddp.parameters(), state, **hp)
+
+
+def step(model: Any, opt: Any, x: torch.Tensor, y: torch.Tensor) -> dict[str, dict[str, float]]:
+    """One training step; its parts' wall and CPU seconds, derived into the report's components."""
+    TIMER.take()
+    t0, c0 = time.perf_counter(), time.thread_time()
+    model(x, y).backward()
+    t1, c1 = time.perf_counter(), time.thread_time()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    t2, c2 = time.perf_counter(), time.thread_time()
+    wall, cpu = TIMER.take()
+    wall.update(step=t2 - t0, forward_backward=t1 - t0, opt_step=t2 - t1)
+    cpu.update(step=c2 - c0, forward_backward=c1 - c0, opt_step=c2 - c1)
+    return {"wall": derive(wall), "cpu": derive(cpu)}
+
+
+def derive(p: dict[str, float]) -> dict[str, float]:
+    """Raw wrapper times -> the report's components (nested wrappers subtracted once)."""
+    hook = p.get("accumulate", 0) + p.get("compact", 0) + p.get("allreduce_launch", 0) + p.get("finish", 0)
+    selection = p.get("select", 0) + p.get("mask_wait_decode", 0)
+    optimizer = p.get("optimizer", 0) + p.get("adams_step", 0)
+    return dict(step=p["step"], forward_backward=p["forward_backward"], opt_step=p["opt_step"],
+                accumulate=p.get("accumulate", 0), compact=p.get("compact", 0),
+                allreduce_launch=p.get("allreduce_launch", 0), finish=p.get("finish", 0), hook=hook,
+                score=p.get("select", 0) - p.get("topk", 0) - p.get("encode", 0) - p.get("gather_launch", 0),
+                topk=p.get("topk", 0), encode=p.get("encode", 0), gather_launch=p.get("gather_launch", 0),
+                mask_wait_decode=p.get("mask_wait_decode", 0), selection=selection,
+                end_step_other=p.get("end_step", 0) - selection, optimizer=optimizer, overhead=hook + selection)
+
+
+def worker(args: argparse.Namespace) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    data, vocab = shakespeare()
+    torch.manual_seed(0)
+    base = GPT.sized(args.params, vocab, args.context, layers=args.layers)
+    names = ["DDP + AdamS", "SCAPE 90%", "SCAPE 99%"]
+    runs = {n: build(n, base, args.scape_warmup, args.mask_refresh) for n in names}
+    data_of = {n: batches(data, args.batch, args.context, seed=1000 * rank) for n in names}
+    instrument()
+    for n in names:
+        for _ in range(args.warm):
+            step(*runs[n], *next(data_of[n]))
+    rows: dict[str, list[dict[str, float]]] = defaultdict(list)
+    for r in range(args.rounds):
+        for n in names[r % 3:] + names[:r % 3]:
+            dist.barrier()
+            for _ in range(args.steps):
+                rows[n].append(step(*runs[n], *next(data_of[n])))
+    table = None
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+
+        model, opt = runs["SCAPE 99%"]
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(2):
+                step(model, opt, *next(data_of["SCAPE 99%"]))
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, dict(rows))
+    if rank == 0:
+        out = {"params": count_params(base), "per_rank": gathered, "profile": table}
+        Path(args.result).write_text(json.dumps(out))
+    dist.destroy_process_group()
+
+
+COMPONENTS = ("step", "forward_backward", "opt_step", "hook", "accumulate", "compact", "allreduce_launch", "finish",
+              "selection", "score", "topk", "encode", "gather_launch", "mask_wait_decode", "end_step_other",
+              "optimizer", "overhead")
+
+
+def report(res: dict[str, Any], args: argparse.Namespace) -> str:
+    """Median wall and CPU milliseconds per component and method, and the overhead target."""
+    names = list(res["per_rank"][0])
+    med = {clock: {n: {c: median([r[clock][c] for rank in res["per_rank"] for r in rank[n]]) for c in COMPONENTS}
+                   for n in names} for clock in ("wall", "cpu")}
+    lines = [f"GPT {res['params'] / 1e6:.1f}M parameters, 2 ranks (gloo, 1 thread each), per-rank batch "
+             f"{args.batch} x {args.context} tokens, mask_refresh={args.mask_refresh}; medians over "
+             f"{args.rounds * args.steps} steps x 2 ranks, in ms (wall / CPU of the thread that ran it)\n",
+             "| component | " + " | ".join(names) + " |", "|---|" + "---|" * len(names)]
+    for c in COMPONENTS:
+        lines.append(f"| {c} | " + " | ".join(
+            f"{1000 * med['wall'][n][c]:.1f} / {1000 * med['cpu'][n][c]:.1f}" for n in names) + " |")
+    for clock in ("wall", "cpu"):
+        dense = med[clock]["DDP + AdamS"]["step"]
+        lines.append(f"| overhead / dense step ({clock}) | " + " | ".join(
+            f"{100 * med[clock][n]['overhead'] / dense:.1f}%" for n in names) + " |")
+        lines.append(f"| step / dense step ({clock}) | " + " | ".join(
+            f"{med[clock][n]['step'] / dense:.2f}x" for n in names) + " |")
+    for n in names:
+        if n.startswith("SCAPE"):
+            for clock in ("wall", "cpu"):
+                dense = med[clock]["DDP + AdamS"]["step"]
+                pct = 100 * med[clock][n]["overhead"] / dense
+                lines.append(f"\n{n} ({clock}): hook + selection = {1000 * med[clock][n]['overhead']:.1f} ms = "
+                             f"{pct:.1f}% of the dense step ({1000 * dense:.0f} ms) -> target <= 10%: "
+                             f"{'MET' if pct <= 10 else 'NOT MET'}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--params", type=float, default=10e6)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--context", type=int, default=256)
+    p.add_argument("--batch", type=int, default=2, help="per-rank sequences")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per method per window")
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--warm", type=int, default=4)
+    p.add_argument("--scape-warmup", type=int, default=2)
+    p.add_argument("--mask-refresh", type=int, default=1, help="ScapeConfig.mask_refresh (steps per new mask)")
+    p.add_argument("--profile", action="store_true", help="also profile two SCAPE 99%% steps (torch.profiler)")
+    p.add_argument("--timeout", type=float, default=420)
+    p.add_argument("--json", default=str(ROOT / "docs" / "overhead_bench.json"))
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    argv = [str(Path(__file__).resolve()), "--worker"] + [
+        f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
+        if k not in ("worker", "result", "json", "profile", "timeout")] + (["--profile"] if args.profile else [])
+    t0, load = time.time(), os.getloadavg()[0]
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "result.json"
+        launch(argv + ["--result", str(result)], 2, args.timeout)
+        res = json.loads(result.read_text())
+    res["loadavg"] = [round(load, 2), round(os.getloadavg()[0], 2)]
+    text = report(res, args) + f"\n\nload average (1 min) before/after: {res['loadavg']} on {machine()['nproc']} CPUs"
+    print(text)
+    if res["profile"]:
+        print("\ntorch.profiler, 2 SCAPE 99% steps on rank 0, by self CPU time:\n" + res["profile"])
+    summary = {"command": " ".join(["python", "benchmarks/overhead_bench.py"] + sys.argv[1:]), "machine": machine(),
+               "seconds": round(time.time() - t0), "report": text, "raw": res}
+    Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.json).write_text(json.dumps(summary, indent=1))
+    print(f"\n{time.time() - t0:.0f}s; machine {machine()}; wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

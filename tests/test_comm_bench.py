@@ -1,0 +1,102 @@
+"""benchmarks/comm_bench.py: its byte counting and its network namespace (numbers, not timings)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.dist import run_distributed
+
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import comm_bench  # noqa: E402
+
+
+def _count_collectives(rank: int, world_size: int) -> dict:
+    import torch
+    import torch.distributed as dist
+
+    sys.path.insert(0, str(BENCH))
+    import comm_bench as cb
+
+    counter = cb.CollectiveCounter()
+    counter.install()
+    dist.all_reduce(torch.ones(10))  # not counted: no method is running
+    counter.method = "m"
+    dist.all_reduce(torch.ones(10))
+    out = [torch.empty(7, dtype=torch.uint8) for _ in range(world_size)]
+    dist.all_gather(out, torch.zeros(7, dtype=torch.uint8), async_op=True).wait()
+    dist.broadcast(torch.zeros(3, dtype=torch.float64), src=0)
+    counter.method = None
+    return dict(counter.totals["m"])
+
+
+def test_counter_counts_what_each_rank_hands_to_collectives():
+    for totals in run_distributed(_count_collectives):
+        assert totals == {"calls": 3, "values": 10 + 3, "bytes": 40 + 7 + 24}
+
+
+def test_targets_mark_met_and_not_met():
+    rows = {"no-comm + AdamS": {"time_s": 1.0}, "DDP + AdamW": {"time_s": 4.0, "bytes": 1000, "lo_bytes": 2000},
+            "PowerSGD r4 + AdamW": {"time_s": 1.5}, "SCAPE 99%": {"time_s": 1.2, "bytes": 30, "lo_bytes": 60}}
+    lines = comm_bench.targets({"loopback/1": rows, "slow/1": rows}, "slow", 1)
+    assert "handed 3.00%" in lines[0] and "NOT MET" in lines[0]
+    assert "(<= 1.25: MET)" in lines[1] and "(> 1: MET)" in lines[1] and "(>= 3: MET)" in lines[1]
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"),
+                    reason="network namespaces need root and iproute2")
+def test_namespace_is_shaped_and_removed():
+    ns = comm_bench.Namespace(f"scape-bench-test-{os.getpid()}")
+    try:
+        ns.create()
+        ns.shape(2000)
+        qdisc = subprocess.run(ns.prefix() + ["tc", "qdisc", "show", "dev", "lo"], capture_output=True,
+                               text=True, timeout=30).stdout
+        assert "tbf" in qdisc and "2Gbit" in qdisc
+        ns.shape(None)
+        qdisc = subprocess.run(ns.prefix() + ["tc", "qdisc", "show", "dev", "lo"], capture_output=True,
+                               text=True, timeout=30).stdout
+        assert "tbf" not in qdisc
+    finally:
+        ns.remove()
+    listed = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, timeout=30).stdout
+    assert ns.name not in listed
+
+
+@pytest.mark.slow
+def test_tiny_run_counts_dense_and_scape_bytes(tmp_path):
+    out = tmp_path / "r.json"
+    subprocess.run([sys.executable, str(BENCH / "comm_bench.py"), "--params", "3e5", "--layers", "1",
+                    "--context", "32", "--batches", "1,2", "--steps", "1", "--rounds", "2", "--links", "loopback",
+                    "--json", str(out), "--plot", str(tmp_path / "p.png")], check=True, timeout=600)
+    report = json.loads(out.read_text())
+    n = report["params"]
+    for rows in report["summary"].values():
+        assert rows["DDP + AdamW"]["bytes"] == 4 * n and rows["DDP + AdamW"]["values"] == n
+        assert rows["no-comm + AdamS"]["bytes"] == 0
+        for name in ("SCAPE 90%", "SCAPE 99%"):  # the wrapper's count agrees with SCAPE's own stats
+            assert rows[name]["bytes"] == rows[name]["scape_bytes_sent"]
+            assert rows[name]["values"] == rows[name]["scape_values_sent"]
+        assert rows["SCAPE 99%"]["bytes"] < rows["SCAPE 90%"]["bytes"] < rows["DDP + AdamW"]["bytes"]
+    assert (tmp_path / "p.png").stat().st_size > 0
+
+
+def test_overhead_components_subtract_nested_timers_once():
+    import overhead_bench
+
+    raw = {"step": 1.0, "forward_backward": 0.7, "opt_step": 0.3, "accumulate": 0.01, "compact": 0.02,
+           "allreduce_launch": 0.005, "finish": 0.03, "select": 0.2, "topk": 0.1, "encode": 0.01,
+           "gather_launch": 0.002, "mask_wait_decode": 0.04, "end_step": 0.25, "optimizer": 0.05}
+    c = overhead_bench.derive(raw)
+    assert c["hook"] == pytest.approx(0.065)
+    assert c["score"] == pytest.approx(0.2 - 0.1 - 0.01 - 0.002)
+    assert c["selection"] == pytest.approx(0.24) and c["end_step_other"] == pytest.approx(0.01)
+    assert c["overhead"] == pytest.approx(0.065 + 0.24)
