@@ -277,6 +277,10 @@ def count_parameters(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
+def plural(n: int, word: str = "step") -> str:
+    return f"{n} {word}{'' if n == 1 else 's'}"
+
+
 def megabytes(n: float) -> str:
     return f"{n / 1e6:,.1f} MB" if n >= 1e5 else f"{n / 1e3:,.1f} kB"
 
@@ -297,14 +301,14 @@ def summary(*, title: str, val_before: float, val_after: float, tokens: int, sec
     if stats is not None:
         lines.append(f"  sent per rank     {megabytes(stats['bytes_sent'])}   vs dense DDP "
                      f"{megabytes(stats['dense_bytes'])}   compression {stats['compression']:.1f}x   "
-                     f"({stats['steps']} steps)")
+                     f"({plural(stats['steps'])})")
         if warmup_stats is not None and stats["steps"] > warmup_stats["steps"]:
             sent = stats["bytes_sent"] - warmup_stats["bytes_sent"]
             dense = stats["dense_bytes"] - warmup_stats["dense_bytes"]
             lines.append(f"    dense warm-up   {megabytes(warmup_stats['bytes_sent'])} in "
-                         f"{warmup_stats['steps']} steps")
+                         f"{plural(warmup_stats['steps'])}")
             lines.append(f"    sparse steps    {megabytes(sent)} vs {megabytes(dense)} dense in "
-                         f"{stats['steps'] - warmup_stats['steps']} steps: {dense / max(sent, 1):.1f}x "
+                         f"{plural(stats['steps'] - warmup_stats['steps'])}: {dense / max(sent, 1):.1f}x "
                          f"(masks {megabytes(stats['mask_bytes'] - warmup_stats['mask_bytes'])} of it)")
     if plot:
         lines.append(f"  loss curve        {plot}")
@@ -341,7 +345,7 @@ def describe_scape(args: argparse.Namespace) -> str:
     """``sparsity 0.99 after 30 dense warm-up steps`` (or the dense baseline), for titles."""
     if not args.sparsity:
         return "sparsity 0 (dense DDP + AdamS)"
-    return f"sparsity {args.sparsity} after {args.warmup_steps} dense warm-up steps"
+    return f"sparsity {args.sparsity} after {plural(args.warmup_steps, 'dense warm-up step')}"
 
 
 def report(args: argparse.Namespace, *, how: str, model: nn.Module, source: str, world_size: int, device: str,
