@@ -209,7 +209,7 @@ def add_training_args(p: argparse.ArgumentParser, out: str) -> None:
                    help=f"peak learning rate, cosine-decayed to a tenth (default {DEFAULT_LR[SCRATCH]} from "
                         f"scratch, {FINETUNE_LR} for pretrained models)")
     p.add_argument("--weight-decay", type=float, default=0.1, help="decoupled weight decay")
-    p.add_argument("--val-every", type=int, default=25, help="validate every N steps")
+    p.add_argument("--val-every", type=int, default=50, help="validate every N steps")
     p.add_argument("--val-batches", type=int, default=None, help="cap validation batches per process (default: all)")
     p.add_argument("--seed", type=int, default=0, help="model initialisation and data order")
     p.add_argument("--out", default=out, help="folder for the loss curve, logs and summary.json")

@@ -148,7 +148,9 @@ def main(argv: list[str] | None = None) -> dict:
     )
     before = trainer.validate(module, val, verbose=False)[0]["val_loss"]
     trainer.fit(module, train, val)
-    after = trainer.validate(module, val, verbose=False)[0]["val_loss"]
+    after = recorder.val.get(trainer.global_step)  # the last step validated already (on every rank)?
+    if after is None:
+        after = trainer.validate(module, val, verbose=False)[0]["val_loss"]
     if not trainer.is_global_zero:
         return {}
 
