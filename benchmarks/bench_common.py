@@ -133,6 +133,24 @@ def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 
 
+def core_version() -> dict[str, str]:
+    """Which scape_core was measured: its path, and its git commit (marked if it has uncommitted changes)."""
+    import scape_core
+
+    path = Path(scape_core.__file__).resolve().parent
+    out = {"scape_core": str(path), "version": scape_core.__version__}
+    git = ["git", "-C", str(path)]
+    try:
+        head = subprocess.run(git + ["rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=10)
+        if head.returncode == 0:
+            dirty = subprocess.run(git + ["status", "--porcelain", "--", "."], capture_output=True, text=True,
+                                   timeout=10).stdout.strip()
+            out["commit"] = head.stdout.strip() + (" + uncommitted changes" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return out
+
+
 def machine() -> dict[str, str]:
     """What the numbers were measured on."""
     model = platform.processor() or "?"

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from bench_common import GPT, batches, count_params, launch, machine, median, shakespeare
+from bench_common import GPT, batches, core_version, count_params, launch, machine, median, shakespeare
 
 ROOT = Path(__file__).resolve().parent.parent
 METHODS = ("no-comm + AdamS", "DDP + AdamW", "DDP + AdamS", "PowerSGD r4 + AdamW", "SCAPE 90%", "SCAPE 99%")
@@ -469,13 +469,14 @@ def main() -> None:
     summary = summarize(raw, args.batches)
     params = next(iter(raw.values()))["params"]
     report = {"command": " ".join(["python", "benchmarks/comm_bench.py"] + sys.argv[1:]), "machine": machine(),
+              "core": core_version(),
               "params": params, "links": {l: names[l] for l in raw}, "namespace": None if why else "isolated",
               "default_batch": args.default_batch, "context": args.context, "summary": summary, "raw": raw}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=1))
     plot(summary, names, args.context, Path(args.plot))
     print(f"\nGPT {params / 1e6:.1f}M parameters, 2 ranks (gloo, 1 thread each), {time.time() - t_start:.0f}s; "
-          f"machine {machine()}")
+          f"machine {machine()}; {core_version()}")
     print(tables(summary, names, args.default_batch, args.context, shared_lo=bool(why)))
     print("\nTargets:")
     print("\n".join(targets(summary, "slow" if "slow" in raw else None, args.default_batch)))

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bench_common import GPT, batches, count_params, launch, machine, median, shakespeare
+from bench_common import GPT, batches, core_version, count_params, launch, machine, median, shakespeare
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -242,10 +242,11 @@ def main() -> None:
     if res["profile"]:
         print("\ntorch.profiler, 2 SCAPE 99% steps on rank 0, by self CPU time:\n" + res["profile"])
     summary = {"command": " ".join(["python", "benchmarks/overhead_bench.py"] + sys.argv[1:]), "machine": machine(),
+               "core": core_version(),
                "seconds": round(time.time() - t0), "report": text, "raw": res}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(summary, indent=1))
-    print(f"\n{time.time() - t0:.0f}s; machine {machine()}; wrote {args.json}")
+    print(f"\n{time.time() - t0:.0f}s; machine {machine()}; {core_version()}; wrote {args.json}")
 
 
 if __name__ == "__main__":
