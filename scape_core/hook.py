@@ -16,13 +16,15 @@ class _Bucket:
     """One bucket's gradients, what each rank adds to them, and what goes on the wire."""
 
     names: list[str]
-    grads: list[Tensor]  # flat views into the bucket buffer
-    accumulated: list[Tensor]  # grad + residual (aliases `grads` for fp32 gradients)
+    grads: list[Tensor]  # flat views into the bucket buffer: this rank's gradients until `finish`
+    accumulated: list[Tensor]  # a_r = g_r + e_r: the residual itself, updated in place (or g_r)
     mask: dict[str, Tensor] | None  # None: dense step
+    finite: bool  # this rank's gradients are finite
+    picked: list[Tensor] | None = None  # a_r[M] in fp32, to restore the residual if the step is skipped
 
 
 def accumulate(state: ScapeState, bucket: dist.GradBucket) -> _Bucket:
-    """``a_r = g_r + e_r`` for each parameter of the bucket (in place when the grad is fp32)."""
+    """``a_r = g_r + e_r`` for each parameter: in the residual (sparse) or in the bucket (dense)."""
     names = [state.names[id(p)] for p in bucket.parameters()]
     buffer = bucket.buffer()
     if buffer.is_sparse or not buffer.is_floating_point():
@@ -31,38 +33,48 @@ def accumulate(state: ScapeState, bucket: dist.GradBucket) -> _Bucket:
     state.record_sync(names)
     grads = [g.view(-1) for g in bucket.gradients()]
     mask = state.current_mask()
+    finite = bool(torch.isfinite(buffer.sum()))  # a NaN/inf anywhere makes the sum non-finite
     accumulated = []
     for name, g in zip(names, grads):
-        e = state.residuals.get(name)
-        if e is None:
+        if mask is None:  # dense: the whole bucket goes out, a_r is built in the bucket
+            e = state.residuals.get(name)
+            accumulated.append(g if e is None else g.add_(e))
+        elif state.config.error_feedback and finite:  # the residual becomes a_r (never touched if non-finite)
+            accumulated.append(state.residual(name).add_(g))
+        else:
             accumulated.append(g)
-        elif g.dtype == torch.float32:
-            accumulated.append(g.add_(e))
-        else:  # keep the residual's fp32 precision
-            accumulated.append(g.float().add_(e))
-    return _Bucket(names, grads, accumulated, mask)
+    return _Bucket(names, grads, accumulated, mask, finite)
 
 
-def compact(b: _Bucket, buffer: Tensor) -> Tensor:
-    """The one buffer this rank sends: the whole bucket (dense) or ``a_r[M]`` (sparse)."""
+def compact(state: ScapeState, b: _Bucket, buffer: Tensor) -> Tensor:
+    """The one buffer this rank sends: the whole bucket (dense) or ``a_r[M]`` (sparse).
+
+    On a sparse step the residual keeps what is not sent: ``e_r = a_r`` with ``M`` zeroed
+    (for a low-precision wire, ``M`` keeps the rounding of what was sent).
+    """
     if b.mask is None:
-        for g, a in zip(b.grads, b.accumulated):
-            if a is not g:
-                g.copy_(a)
-        send = buffer
-    else:
-        parts = [a.index_select(0, b.mask[n]) for n, a in zip(b.names, b.accumulated)]
-        send = torch.cat(parts).to(buffer.dtype) if parts else buffer.new_zeros(0)
-    if not all(bool(torch.isfinite(a).all()) for a in b.accumulated):
-        send.fill_(float("nan"))  # every rank then sees a non-finite sum and skips the step
+        return buffer
+    b.picked = [a.index_select(0, b.mask[n]).float() for n, a in zip(b.names, b.accumulated)]
+    send = torch.cat(b.picked).to(buffer.dtype) if b.picked else buffer.new_zeros(0)
+    if not b.finite:
+        return send.fill_(float("nan"))  # every rank then sees a non-finite sum and skips the step
+    if state.config.error_feedback:
+        offset = 0
+        for name, e, picked in zip(b.names, b.accumulated, b.picked):
+            idx = b.mask[name]
+            e.index_copy_(0, idx, picked - send[offset:offset + idx.numel()].float())  # 0 for fp32
+            offset += idx.numel()
     return send
 
 
 def finish(state: ScapeState, b: _Bucket, buffer: Tensor, reduced: Tensor) -> Tensor:
-    """Keep what was not sent in the residuals and write the mean gradient into the bucket."""
+    """Write the mean gradient into the bucket; on a non-finite result, undo the residual update."""
     if not bool(torch.isfinite(reduced).all()):
-        state.record_nonfinite()  # residuals untouched: this bucket's gradient is dropped
+        state.record_nonfinite()  # this bucket's gradient is dropped on every rank
         if b.mask is not None:
+            if state.config.error_feedback and b.finite:  # e_r = a_r - g_r: back as before (up to rounding)
+                for name, e, g, picked in zip(b.names, b.accumulated, b.grads, b.picked):
+                    e.index_copy_(0, b.mask[name], picked).sub_(g)
             buffer.fill_(float("nan"))
         return buffer
     if b.mask is None:  # dense: everything went out, the bucket already holds the mean
@@ -71,15 +83,10 @@ def finish(state: ScapeState, b: _Bucket, buffer: Tensor, reduced: Tensor) -> Te
                 state.residuals[name].zero_()
         return buffer
     offset = 0
-    for name, g, a in zip(b.names, b.grads, b.accumulated):
+    for name, g in zip(b.names, b.grads):
         idx = b.mask[name]
         values = reduced[offset:offset + idx.numel()]
         offset += idx.numel()
-        if state.config.error_feedback:
-            e = state.residual(name)
-            sent = a.index_select(0, idx)
-            e.copy_(a)
-            e.index_copy_(0, idx, sent.float() - sent.to(reduced.dtype).float())  # 0 for fp32
         g.zero_()
         g.index_copy_(0, idx, values.to(g.dtype))
         state.record_sent(name, idx, values)
@@ -103,7 +110,7 @@ def scape_hook(state: ScapeState, bucket: dist.GradBucket) -> torch.futures.Futu
     """
     buffer = bucket.buffer()
     b = accumulate(state, bucket)
-    send = compact(b, buffer).div_(state.world_size)
+    send = compact(state, b, buffer).div_(state.world_size)
     state.count(send.numel(), send.numel() * send.element_size(), buffer.numel() * buffer.element_size())
     fut = dist.all_reduce(send, group=state.process_group, async_op=True).get_future()
     return fut.then(lambda f: finish(state, b, buffer, f.value()[0]))

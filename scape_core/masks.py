@@ -52,20 +52,37 @@ def encoded_bytes(size: int, k: int) -> int:
     return INDEX_BYTES * k if mask_encoding(size, k) == "indices" else (size + 7) // 8
 
 
+SAMPLED_TOPK_MIN = 32_768  # below this, torch.topk is as fast as the sampled threshold
+
+
 def select_topk(score: Tensor, k: int, exclude: Tensor | None = None) -> Tensor:
     """Sorted indices of the ``k`` largest scores; ``exclude`` (indices) is picked only if needed.
+
+    Scores must be non-negative; ``score`` may be overwritten. Large inputs first keep the
+    candidates above a threshold estimated from a fixed sample (a little below the k-th largest),
+    then take the exact top-k among those: the same set as a full top-k, several times faster.
 
     Example:
         >>> select_topk(torch.tensor([0.1, 3.0, 2.0, 5.0]), 2, exclude=torch.tensor([3]))
         tensor([1, 2])
     """
+    n = score.numel()
     if k <= 0:
         return torch.empty(0, dtype=torch.long, device=score.device)
-    if k >= score.numel():
-        return torch.arange(score.numel(), device=score.device)
+    if k >= n:
+        return torch.arange(n, device=score.device)
     if exclude is not None and exclude.numel():
-        score = score.clone()
         score[exclude] = -1.0  # scores are absolute values: excluded ones rank last
+    if n >= SAMPLED_TOPK_MIN and k <= n // 4:
+        size = min(max(n // 16, 2048), 16_384)
+        g = torch.Generator(device=score.device).manual_seed(n)  # deterministic: resume is bit-for-bit
+        sample = score[torch.randint(n, (size,), generator=g, device=score.device)]
+        rank_in_sample = max(1, size - int(1.2 * k * size / n) - 32)  # a margin below the k-th largest
+        threshold = sample.kthvalue(rank_in_sample).values
+        candidates = (score >= threshold).nonzero().view(-1)
+        if candidates.numel() >= k:
+            best = score.index_select(0, candidates).topk(k, sorted=False).indices
+            return candidates.index_select(0, best).sort().values
     return score.topk(k, sorted=False).indices.sort().values
 
 

@@ -84,3 +84,17 @@ def test_layout_gathers_every_ranks_picks(sizes, world, density, seed):
         assert got[n].numel() == 0 or int(got[n].max()) < numels[n]
     strided = layout.strided()
     assert all(strided[n].numel() == layout.k(n) and strided[n].unique().numel() == layout.k(n) for n in numels)
+
+
+def test_sampled_topk_picks_the_same_set_as_a_full_topk():
+    g = torch.Generator().manual_seed(0)
+    for n, density in ((300_000, 0.1), (300_000, 0.01), (300_000, 0.001), (40_000, 0.01), (40_000, 0.2)):
+        k = topk_count(n, density)
+        score = torch.rand(n, generator=g) ** 4
+        score[: n // 3] = 0.0  # many ties at zero, as for coordinates with no momentum yet
+        exclude = torch.randperm(n, generator=g)[: n // 20].sort().values
+        want = score.clone()
+        want[exclude] = -1.0
+        want = want.topk(k).indices.sort().values
+        got = select_topk(score.clone(), k, exclude)
+        assert torch.equal(got, want), density
