@@ -295,3 +295,40 @@ def test_misuse_gives_clear_errors():
     assert "sparsity=0.9" in errors["other_sparsity"]
     assert "not a SCAPE state" in errors["not_scape"]
     assert errors["other_state_untouched"] is True
+
+
+# ----------------------------------------------------------------------------------------
+def _collectives(rank, world):
+    import scape_core.hook as hook_module
+    import scape_core.state as state_module
+
+    calls = {"all_reduce": [], "all_gather": 0}
+    real_reduce, real_gather = hook_module.dist.all_reduce, state_module.dist.all_gather
+
+    def counting_reduce(tensor, *args, **kwargs):
+        calls["all_reduce"].append(tensor.numel())
+        return real_reduce(tensor, *args, **kwargs)
+
+    def counting_gather(*args, **kwargs):
+        calls["all_gather"] += 1
+        return real_gather(*args, **kwargs)
+
+    hook_module.dist.all_reduce, state_module.dist.all_gather = counting_reduce, counting_gather
+    try:
+        model = make_model()
+        ddp, state, opt = scape_setup(model, 0.99, warmup=3, ddp_kwargs={"bucket_cap_mb": 0.01})
+        train(ddp, opt, rank, 3)
+        calls["all_reduce"].clear()
+        train(ddp, opt, rank, 10, start=3)
+        n = sum(p.numel() for p in model.parameters())
+        return calls, len(list(model.parameters())) * world, n
+    finally:
+        hook_module.dist.all_reduce, state_module.dist.all_gather = real_reduce, real_gather
+
+
+def test_one_compact_all_reduce_per_bucket_and_one_mask_gather_per_step():
+    (calls, partitions, n), _ = run_distributed(_collectives)
+    sparse = calls["all_reduce"]
+    assert len(sparse) % 10 == 0 and len(sparse) // 10 >= 2  # several buckets, one all-reduce each per step
+    assert 0.01 * n <= sum(sparse) / 10 <= 0.01 * n + partitions  # 1% of the values, rounded up per partition
+    assert calls["all_gather"] == 12  # one mask exchange after each of steps 1..12 (the first for step 3)
