@@ -27,6 +27,7 @@ import copy
 import functools
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -197,13 +198,16 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> str:
             f"{100 * med[clock][n]['overhead'] / dense:.1f}%" for n in names) + " |")
         lines.append(f"| step / dense step ({clock}) | " + " | ".join(
             f"{med[clock][n]['step'] / dense:.2f}x" for n in names) + " |")
+    # with mask_refresh > 1 most steps select nothing: the mean is the cost per step, the median is not
+    stat, avg = ("median", median) if args.mask_refresh == 1 else ("mean", statistics.mean)
     for n in names:
         if n.startswith("SCAPE"):
             for clock in ("wall", "cpu"):
                 dense = med[clock]["DDP + AdamS"]["step"]
-                pct = 100 * med[clock][n]["overhead"] / dense
-                lines.append(f"\n{n} ({clock}): hook + selection = {1000 * med[clock][n]['overhead']:.1f} ms = "
-                             f"{pct:.1f}% of the dense step ({1000 * dense:.0f} ms) -> target <= 10%: "
+                cost = avg([r[clock]["overhead"] for rank in res["per_rank"] for r in rank[n]])
+                pct = 100 * cost / dense
+                lines.append(f"\n{n} ({clock}): hook + selection = {1000 * cost:.1f} ms ({stat} per step) = "
+                             f"{pct:.1f}% of the median dense step ({1000 * dense:.0f} ms) -> target <= 10%: "
                              f"{'MET' if pct <= 10 else 'NOT MET'}")
     return "\n".join(lines)
 
