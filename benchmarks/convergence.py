@@ -221,7 +221,8 @@ def run(spec: str, seed: int, steps: int, args: argparse.Namespace) -> dict:
                   f"({time.time() - t0:.0f}s)", flush=True)
     result = dict(method=spec, settings=cfg, seed=seed, steps=steps, world_size=args.world_size,
                   batch=args.batch, context=args.context, tokens_per_step=args.batch * args.context,
-                  params=numel, lr=args.lr, curve=curve, final_val=curve[-1][2] if curve else float("nan"),
+                  params=numel, lr=args.lr, scape_warmup=int(cfg.get("warmup", args.scape_warmup)),
+                  model=dict(width=args.width, layers=args.layers, heads=args.heads), curve=curve, final_val=curve[-1][2] if curve else float("nan"),
                   wall_s=time.time() - t0, completed=len(curve) > 0 and curve[-1][0] == steps)
     if dense_kind:
         result.update(bytes_per_step=4 * numel, dense_bytes_per_step=4 * numel)
@@ -246,27 +247,32 @@ def load(out: Path) -> list[dict]:
     return [json.loads(p.read_text()) for p in sorted(out.glob("*.json"))]
 
 
-def report(out: Path, plots: Path | None) -> str:
+def report(out: Path, plots: Path | None, plot_methods: list[str] | None = None) -> str:
     runs = [r for r in load(out) if r.get("completed")]
     groups: dict[tuple, dict[str, list[dict]]] = {}
     for r in runs:
         groups.setdefault((r["steps"], r["batch"]), {}).setdefault(r["method"], []).append(r)
     lines = []
     for (steps, batch), methods in sorted(groups.items()):
-        ref = methods.get("adams")
-        ref_mean = sum(r["final_val"] for r in ref) / len(ref) if ref else None
+        ref = {r["seed"]: r["final_val"] for r in methods.get("adams", [])}
+        ref_mean = sum(ref.values()) / len(ref) if ref else None
         dense = max(r["dense_bytes_per_step"] for rs in methods.values() for r in rs)
         lines.append(f"\n**{steps} steps, global batch {batch} sequences "
                      f"({batch * methods[next(iter(methods))][0]['context']} tokens/step)**\n")
-        lines.append("| method | val loss per seed | mean | vs dense AdamS | bytes vs dense: whole run | sparse phase "
-                     "| never synced |")
+        lines.append("| method | val loss per seed | mean | vs dense AdamS (same seeds) | bytes vs dense: whole run "
+                     "| sparse phase | never synced |")
         lines.append("|---|---|---|---|---|---|---|")
-        order = sorted(methods, key=lambda m: sum(r["final_val"] for r in methods[m]) / len(methods[m]))
+        def gap(m: str) -> float:  # paired with dense AdamS where it ran on the same seeds
+            paired = [r["final_val"] / ref[r["seed"]] - 1 for r in methods[m] if r["seed"] in ref]
+            return sum(paired) / len(paired) if paired else float("inf")
+
+        order = sorted(methods, key=gap)
         for m in order:
             rs = sorted(methods[m], key=lambda r: r["seed"])
             mean = sum(r["final_val"] for r in rs) / len(rs)
-            per_seed = ", ".join(f"{r['final_val']:.3f}" for r in rs)
-            vs = f"{100 * (mean / ref_mean - 1):+.1f}%" if ref_mean else "-"
+            per_seed = ", ".join(f"{r['final_val']:.3f} (s{r['seed']})" for r in rs)
+            paired = [r["final_val"] / ref[r["seed"]] - 1 for r in rs if r["seed"] in ref]
+            vs = f"{100 * sum(paired) / len(paired):+.1f}%" if paired else "-"
             frac = sum(r["bytes_per_step"] for r in rs) / len(rs) / dense
             sparse = [r["sparse_bytes_per_step"] for r in rs if "sparse_bytes_per_step" in r]
             sparse = f"{100 * sum(sparse) / len(sparse) / dense:.2f}%" if sparse else "100%"
@@ -274,7 +280,10 @@ def report(out: Path, plots: Path | None) -> str:
             never = f"{100 * sum(never) / len(never):.0f}%" if never else "-"
             lines.append(f"| `{m}` | {per_seed} | {mean:.3f} | {vs} | {100 * frac:.2f}% | {sparse} | {never} |")
         if plots is not None:
-            plot(methods, plots / f"convergence_{steps}steps_b{batch}.png", f"{steps} steps, batch {batch}")
+            shown = {m: rs for m, rs in methods.items() if not plot_methods or m in plot_methods}
+            title = f"{steps} steps, {batch * rs[0]['context']} tokens/step, W={rs[0]['world_size']}"
+            plot(shown, plots / f"convergence_{steps}steps_b{batch}.png", title)
+            frontier(shown, ref_mean, plots / f"convergence_bytes_{steps}steps_b{batch}.png", title)
     return "\n".join(lines)
 
 
@@ -284,11 +293,14 @@ def plot(methods: dict[str, list[dict]], path: Path, title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for m, rs in sorted(methods.items()):
+    fig, ax = plt.subplots(figsize=(8, 5))
+    colors = plt.get_cmap("tab20").colors
+    for i, (m, rs) in enumerate(sorted(methods.items())):
         steps = [s for s, _, _ in rs[0]["curve"]]
         vals = [sum(r["curve"][i][2] for r in rs) / len(rs) for i in range(min(len(r["curve"]) for r in rs))]
-        ax.plot(steps[:len(vals)], vals, label=m, lw=1.2)
+        kind = rs[0]["settings"]["kind"]
+        ax.plot(steps[:len(vals)], vals, label=f"{m} ({len(rs)} seeds)", color=colors[2 * i % 20 + i // 10],
+                lw=2.2 if kind in ("adams", "adamw") else 1.3, ls="--" if kind == "topk" else "-")
     ax.set_xlabel("step")
     ax.set_ylabel("val loss (mean over seeds)")
     ax.set_title(title)
@@ -297,6 +309,32 @@ def plot(methods: dict[str, list[dict]], path: Path, title: str) -> None:
     ax.grid(alpha=0.3)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def frontier(methods: dict[str, list[dict]], ref: float | None, path: Path, title: str) -> None:
+    """Final val loss against bytes on the wire (whole run, fraction of dense): quality at equal bytes."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for m, rs in methods.items():
+        x = 100 * sum(r["bytes_per_step"] / r["dense_bytes_per_step"] for r in rs) / len(rs)
+        y = sum(r["final_val"] for r in rs) / len(rs)
+        kind = rs[0]["settings"]["kind"]
+        ax.scatter(x, y, marker={"scape": "o", "topk": "s"}.get(kind, "*"), s=30)
+        ax.annotate(m, (x, y), fontsize=6, xytext=(3, 2), textcoords="offset points")
+    if ref is not None:
+        ax.axhline(ref, color="gray", lw=0.8, ls="--")
+    ax.set_xscale("log")
+    ax.set_xlabel("bytes per rank over the run, % of dense DDP (log)")
+    ax.set_ylabel("final val loss (mean over seeds)")
+    ax.set_title(title + ": quality vs bytes")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
@@ -321,9 +359,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--out", type=Path, default=Path("runs/convergence"))
     p.add_argument("--report", action="store_true", help="print the tables from --out and write the plots")
     p.add_argument("--plots", type=Path, default=None, help="with --report: folder for the PNG plots")
+    p.add_argument("--plot-methods", nargs="+", default=None, help="with --plots: the methods the curves show")
     args = p.parse_args(argv)
     if args.report:
-        print(report(args.out, args.plots))
+        print(report(args.out, args.plots, args.plot_methods))
         return
     args.out.mkdir(parents=True, exist_ok=True)
     print(f"machine: {platform.processor() or platform.machine()}, {os.cpu_count()} cpus, torch {torch.__version__}")

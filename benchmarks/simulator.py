@@ -70,7 +70,9 @@ class SimulatedScape:
             momentum ``u_r = beta1 u_r + (1 - beta1) g_r``, accumulates it in the residual,
             sends it, and clears the sent coordinates of ``u_r``, as DGC's momentum correction).
         score: overrides ``config.score``; prototypes: ``"residual"`` scores ``|e_r|`` alone,
-            ``"age_momentum"`` scores ``|m| * window`` (replicated; needs a rule that tracks windows).
+            ``"age_momentum"`` scores ``|m| * (n - 1)``, ``n`` the window the coordinate will have at
+            the step the mask is for: the expected size of its pending sum, from replicated values
+            only (needs a rule that tracks windows: ``linear``, ``catchup``, ``predict``).
         density_at: prototype sparsity ramp: ``step -> density`` for the mask used at ``step``.
     """
 
@@ -156,7 +158,7 @@ class SimulatedScape:
                 if self.score == "residual" and e is not None:
                     score = e[r, part].abs()
                 elif self.score == "age_momentum" and state is not None and "synced_at" in state:
-                    age = target - state["synced_at"].view(-1)[part].float()  # window length at target
+                    age = target - state["synced_at"].view(-1)[part].float()  # n - 1 (synced_at counts from 1)
                     score = m.abs() * age
                 elif self.score == "momentum_residual" and e is not None:
                     score = (b1 * m + (1 - b1) * e[r, part]).abs_()

@@ -1,0 +1,28 @@
+"""benchmarks/convergence.py end to end on a tiny model: runs, files, report."""
+
+import json
+
+from benchmarks.convergence import main, parse_method, ramp_schedule
+
+
+def test_parse_method_and_ramp():
+    assert parse_method("scape99+update=linear+ramp=150") == dict(kind="scape", sparsity=0.99, update="linear", ramp=150)
+    density_at = ramp_schedule(warmup=10, ramp=30, density=0.01)
+    assert [density_at(s) for s in (10, 19, 20, 30, 39, 40, 500)] == [0.25, 0.25, 0.0625, 0.015625, 0.015625, 0.01, 0.01]
+    assert ramp_schedule(warmup=10, ramp=30, density=0.1)(25) == 0.1  # stages below the target are skipped
+
+
+def test_tiny_run_and_report(tmp_path, capsys):
+    methods = ["adams", "scape99+update=linear+ramp=3+score=age_momentum", "topk99_eqbytes"]
+    main(["--methods", *methods, "--seeds", "0", "--steps", "8", "--world-size", "2", "--batch", "4",
+          "--context", "16", "--width", "16", "--layers", "1", "--heads", "2", "--scape-warmup", "2",
+          "--eval-every", "4", "--val-batches", "1", "--out", str(tmp_path)])
+    runs = {r["method"]: r for r in (json.loads(p.read_text()) for p in tmp_path.glob("*.json"))}
+    assert set(runs) == set(methods)
+    assert all(r["completed"] and r["curve"][-1][0] == 8 for r in runs.values())
+    scape = runs[methods[1]]
+    assert scape["bytes_per_step"] < 0.5 * scape["dense_bytes_per_step"]  # 2 dense of 8 steps, then sparse
+    assert runs["adams"]["bytes_per_step"] == runs["adams"]["dense_bytes_per_step"]
+    main(["--report", "--out", str(tmp_path)])
+    table = capsys.readouterr().out
+    assert "| `adams` |" in table and "+0.0%" in table and methods[1] in table
