@@ -98,6 +98,8 @@ class SimulatedScape:
         self.hp = dict(lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=weight_decay)
         self.send = send
         self.score = score or config.score
+        if density_at is None and getattr(config, "ramp_steps", 0):  # a core with the ramp
+            density_at = config.density_at
         self.density_at = density_at
         self.rule = UPDATE_RULES[config.update]
         self.numels = {n: p.numel() for n, p in self.params.items()}

@@ -15,6 +15,8 @@ CONFIGS = {
     "default": dict(sparsity=0.9, warmup_steps=3),
     "delay0_momentum_refresh2": dict(sparsity=0.9, warmup_steps=3, mask_delay=0, score="momentum", mask_refresh=2),
     "no_warmup": dict(sparsity=0.9, warmup_steps=0),
+    "linear": dict(sparsity=0.99, warmup_steps=3, update="linear"),
+    "catchup": dict(sparsity=0.9, warmup_steps=3, update="catchup"),
 }
 
 
@@ -68,7 +70,9 @@ def test_simulator_matches_real_hook(real, name):
     for rank in (0, 1):
         ref, ref_stats = real[rank][name]
         diff = max((p - q).abs().max().item() for p, q in zip(params, ref))
-        assert diff <= 1e-6, f"{name}: simulator and rank {rank} differ by {diff}"
+        # last-bit float differences (the rules see 1 ulp, about 1e-7 here) grow a little through
+        # catchup's replay; a wrong mask, window or formula moves parameters by 1e-3 or more
+        assert diff <= 2e-6, f"{name}: simulator and rank {rank} differ by {diff}"
         for key in ("steps", "values_sent", "bytes_sent", "mask_bytes", "dense_bytes"):
             assert stats[key] == ref_stats[key], (name, key, stats[key], ref_stats[key])
     start = [p.detach() for p in make_model().parameters()]
