@@ -56,6 +56,11 @@ class GPT(nn.Module):
         self.ln = nn.LayerNorm(width)
         self.head = nn.Linear(width, vocab, bias=False)
         self.head.weight = self.tok.weight  # tied, as GPT-2
+        for module in self.modules():  # GPT-2's initialization: a sane first loss (about ln(vocab))
+            if isinstance(module, (nn.Linear, nn.Embedding)):
+                nn.init.normal_(module.weight, std=0.02)
+            if isinstance(module, nn.Linear) and module.bias is not None:
+                nn.init.zeros_(module.bias)
 
     @staticmethod
     def sized(params: float, vocab: int, context: int, layers: int = 8) -> "GPT":
@@ -131,6 +136,17 @@ def launch(argv: list[str], world_size: int, timeout: float, prefix: list[str] |
 
 def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
+
+
+def scape_fields(warmup_steps: int) -> dict[str, int]:
+    """ScapeConfig fields for timing: a short dense warm-up, and no sparsity ramp (if this core has one),
+    so that every timed step runs at the sparsity the method is named after."""
+    import dataclasses
+
+    from scape_core import ScapeConfig
+
+    fields = {f.name for f in dataclasses.fields(ScapeConfig)}
+    return {"warmup_steps": warmup_steps, **({"ramp_steps": 0} if "ramp_steps" in fields else {})}
 
 
 def core_version() -> dict[str, str]:

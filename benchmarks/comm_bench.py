@@ -48,7 +48,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from bench_common import GPT, batches, core_version, count_params, launch, machine, median, shakespeare
+from bench_common import (GPT, batches, core_version, count_params, launch, machine, median, scape_fields,
+                          shakespeare)
 
 ROOT = Path(__file__).resolve().parent.parent
 METHODS = ("no-comm + AdamS", "DDP + AdamW", "DDP + AdamS", "PowerSGD r4 + AdamW", "SCAPE 90%", "SCAPE 99%")
@@ -135,7 +136,7 @@ def build(name: str, base: nn.Module, warmup_steps: int) -> Method:
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
         return Method(name, ddp, torch.optim.AdamW(ddp.parameters(), **hp))
     sparsity = float(name.split()[1].rstrip("%")) / 100
-    state = ScapeState(ddp, sparsity=sparsity, warmup_steps=warmup_steps)
+    state = ScapeState(ddp, sparsity=sparsity, **scape_fields(warmup_steps))
     ddp.register_comm_hook(state, scape_hook)
     return Method(name, ddp, ScapeAdamS(ddp.parameters(), state, **hp), scape=state)
 

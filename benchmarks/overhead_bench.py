@@ -38,7 +38,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bench_common import GPT, batches, core_version, count_params, launch, machine, median, shakespeare
+from bench_common import (GPT, batches, core_version, count_params, launch, machine, median, scape_fields,
+                          shakespeare)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -103,8 +104,8 @@ def build(name: str, base: torch.nn.Module, warmup: int, mask_refresh: int) -> t
     if name == "DDP + AdamS":
         ddp.register_comm_hook(None, default_hooks.allreduce_hook)
         return ddp, AdamS(ddp.parameters(), **hp)
-    state = ScapeState(ddp, sparsity=float(name.split()[1].rstrip("%")) / 100, warmup_steps=warmup,
-                       mask_refresh=mask_refresh)
+    state = ScapeState(ddp, sparsity=float(name.split()[1].rstrip("%")) / 100, mask_refresh=mask_refresh,
+                       **scape_fields(warmup))
     ddp.register_comm_hook(state, scape_hook)
     return ddp, ScapeAdamS(ddp.parameters(), state, **hp)
 
