@@ -29,6 +29,7 @@ QUESTIONS = {
     "error_feedback": "Keep unsent gradient in per-rank error-feedback residuals? (yes/no)",
     "score": f"Mask score, one of {', '.join(SCORES)}",
     "update": "Masked update rule, one of {rules}",
+    "ramp_steps": "Steps after the warm-up with denser masks (25%, 6.25%, 1.6% density), 0 for none",
 }
 
 

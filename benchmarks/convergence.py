@@ -159,7 +159,9 @@ def build(cfg: dict, model: nn.Module, args: argparse.Namespace):
         return AdamS(model.parameters(), **hp)
     if cfg["kind"] == "topk":
         return SimulatedTopK(model, args.world_size, float(cfg["density"]), warmup, **hp)
-    fields = {k: cfg[k] for k in ("sparsity", "mask_delay", "mask_refresh", "update", "error_feedback") if k in cfg}
+    # scapeXX is the contract's reading (lazy rule, residual score, no ramp) whatever the library defaults
+    fields = dict(update="lazy", score="momentum_residual", ramp_steps=0)
+    fields.update({k: cfg[k] for k in ("sparsity", "mask_delay", "mask_refresh", "update", "error_feedback") if k in cfg})
     if cfg.get("score") in ("momentum_residual", "momentum"):
         fields["score"] = cfg["score"]
     config = ScapeConfig(warmup_steps=warmup, **fields)

@@ -97,7 +97,7 @@ class SimulatedScape:
         self.config = config
         self.hp = dict(lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=weight_decay)
         self.send = send
-        self.score = score or config.score
+        self.score = score or config.resolved_score
         if density_at is None and getattr(config, "ramp_steps", 0):  # a core with the ramp
             density_at = config.density_at
         self.density_at = density_at

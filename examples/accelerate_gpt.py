@@ -32,7 +32,7 @@ from common import (HelpFormatter, TokenBlocks, add_training_args, check_trainin
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     add_training_args(p, out="runs/accelerate_gpt")
-    p.set_defaults(sparsity=None, warmup_steps=None)  # unset: Accelerate-side settings decide
+    p.set_defaults(sparsity=None, warmup_steps=None, ramp_steps=None)  # unset: Accelerate-side settings decide
     args = check_training_args(p, p.parse_args(argv))
 
     cuda = torch.cuda.is_available()
@@ -47,11 +47,12 @@ def main(argv: list[str] | None = None) -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_decay(args.max_steps))
 
     # --- SCAPE: the plugin prepares everything and turns AdamW into ScapeAdamS ---
-    scape = ScapePlugin(**{k: v for k, v in (("sparsity", args.sparsity), ("warmup_steps", args.warmup_steps))
-                           if v is not None})
+    given = dict(sparsity=args.sparsity, warmup_steps=args.warmup_steps, ramp_steps=args.ramp_steps)
+    scape = ScapePlugin(**{k: v for k, v in given.items() if v is not None})
     model, optimizer, train, val, scheduler = scape.prepare(accelerator, model, optimizer, train, val, scheduler)
     # ---------------------------------------------------------------------------
-    args.sparsity, args.warmup_steps = scape.config.sparsity, scape.config.warmup_steps  # as resolved
+    args.sparsity, args.warmup_steps, args.ramp_steps = (scape.config.sparsity, scape.config.warmup_steps,
+                                                         scape.config.ramp_steps)  # as resolved
 
     if not scape.active:
         accelerator.print("one process: SCAPE has nothing to communicate. Launch several, e.g. "

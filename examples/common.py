@@ -202,6 +202,8 @@ def add_training_args(p: argparse.ArgumentParser, out: str) -> None:
                                                 "(default: tiny Shakespeare)")
     p.add_argument("--sparsity", type=float, default=0.99, help="fraction of gradient values NOT sent")
     p.add_argument("--warmup-steps", type=int, default=30, help="dense steps before sparse communication")
+    p.add_argument("--ramp-steps", type=int, default=90,
+                   help="steps after the warm-up with denser masks (25%%, 6.25%%, 1.6%% density), 0 for none")
     p.add_argument("--max-steps", type=int, default=300, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per process per step")
     p.add_argument("--block-size", type=int, default=128, help="tokens per sequence")
@@ -224,6 +226,8 @@ def check_training_args(p: argparse.ArgumentParser, args: argparse.Namespace) ->
         p.error(f"--val-batches must be >= 1, got {args.val_batches}")
     if args.warmup_steps is not None and args.warmup_steps < 0:
         p.error(f"--warmup-steps must be >= 0, got {args.warmup_steps}")
+    if args.ramp_steps is not None and args.ramp_steps < 0:
+        p.error(f"--ramp-steps must be >= 0, got {args.ramp_steps}")
     if args.sparsity is not None and not 0.0 <= args.sparsity < 1.0:
         p.error(f"--sparsity must be in [0, 1), got {args.sparsity}")
     if args.lr is None:
@@ -345,7 +349,8 @@ def describe_scape(args: argparse.Namespace) -> str:
     """``sparsity 0.99 after 30 dense warm-up steps`` (or the dense baseline), for titles."""
     if not args.sparsity:
         return "sparsity 0 (dense DDP + AdamS)"
-    return f"sparsity {args.sparsity} after {plural(args.warmup_steps, 'dense warm-up step')}"
+    ramp = f" and a {args.ramp_steps}-step ramp" if args.ramp_steps else ""
+    return f"sparsity {args.sparsity} after {plural(args.warmup_steps, 'dense warm-up step')}{ramp}"
 
 
 def report(args: argparse.Namespace, *, how: str, model: nn.Module, source: str, world_size: int, device: str,

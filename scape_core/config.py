@@ -7,7 +7,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-SCORES = ("momentum_residual", "momentum")
+SCORES = ("auto", "momentum_residual", "momentum", "age_momentum")
+RAMP = (0.25, 0.0625, 0.015625)  # DGC's sparsity warm-up: 75%, 93.75%, 98.4%
 
 
 @dataclass(frozen=True)
@@ -25,21 +26,30 @@ class ScapeConfig:
         error_feedback: keep what was not sent in a per-rank residual (default). ``False``
             drops it (ablation only: unsent gradient is lost).
         score: ``"momentum_residual"`` scores ``|beta1 * m + (1 - beta1) * residual|``
-            (the contract); ``"momentum"`` scores ``|m|`` (ablation).
+            (the contract); ``"momentum"`` scores ``|m|`` (ablation); ``"age_momentum"`` scores
+            ``|m| * (n - 1)``, ``n`` the coordinate's window at the step the mask is for (replicated;
+            needs an update rule that tracks windows, e.g. ``"linear"``). ``"auto"`` (default):
+            ``"age_momentum"`` for rules that track windows, ``"momentum_residual"`` otherwise.
+        ramp_steps: after the warm-up, masks are denser for this many steps, as DGC's sparsity
+            warm-up: 25%, 6.25%, 1.5625% density for ``ramp_steps / 3`` steps each (only the
+            stages denser than ``1 - sparsity``), then ``1 - sparsity``. ``0``: no ramp.
         update: name of the masked update rule (see :mod:`scape_core.update_rules`).
 
     Example:
         >>> ScapeConfig(sparsity=0.9, warmup_steps=20).density
         0.09999999999999998
+        >>> ScapeConfig().resolved_score
+        'age_momentum'
     """
 
-    sparsity: float = 0.99
+    sparsity: float = 0.9
     warmup_steps: int = 50
     mask_delay: int = 1
     mask_refresh: int = 1
     error_feedback: bool = True
-    score: str = "momentum_residual"
-    update: str = "lazy"
+    score: str = "auto"
+    update: str = "linear"
+    ramp_steps: int = 150
 
     def __post_init__(self) -> None:
         from scape_core.update_rules import UPDATE_RULES  # late: rules import this module
@@ -50,6 +60,7 @@ class ScapeConfig:
             raise ValueError(f"sparsity must be in [0, 1), got {self.sparsity!r}")
         _check_int("warmup_steps", self.warmup_steps, minimum=0)
         _check_int("mask_refresh", self.mask_refresh, minimum=1)
+        _check_int("ramp_steps", self.ramp_steps, minimum=0)
         if self.mask_delay not in (0, 1) or isinstance(self.mask_delay, bool):
             raise ValueError(f"mask_delay must be 0 or 1, got {self.mask_delay!r}")
         if not isinstance(self.error_feedback, bool):
@@ -61,11 +72,39 @@ class ScapeConfig:
                 f"update must be one of {sorted(UPDATE_RULES)}, got {self.update!r} "
                 "(register new rules with scape_core.register_update_rule)"
             )
+        if self.score == "age_momentum" and not self.tracks_windows:
+            raise ValueError(f"score='age_momentum' needs an update rule that tracks windows (e.g. 'linear'), "
+                             f"got update={self.update!r}")
+
+    @property
+    def tracks_windows(self) -> bool:
+        """Whether the update rule keeps per-coordinate sync windows (``synced_at``)."""
+        from scape_core.update_rules import UPDATE_RULES
+
+        return bool(getattr(UPDATE_RULES[self.update], "tracks_windows", False))
+
+    @property
+    def resolved_score(self) -> str:
+        """The mask score in use (``"auto"`` resolved for the update rule)."""
+        if self.score != "auto":
+            return self.score
+        return "age_momentum" if self.tracks_windows else "momentum_residual"
 
     @property
     def density(self) -> float:
         """Fraction of coordinates exchanged on a sparse step (``1 - sparsity``)."""
         return 1.0 - float(self.sparsity)
+
+    def density_at(self, step: int) -> float:
+        """Density of the mask used at ``step`` (the ramp's stage, or ``density`` after it).
+
+        Example:
+            >>> ScapeConfig(sparsity=0.99, warmup_steps=10, ramp_steps=30).density_at(25)
+            0.0625
+        """
+        stage = (step - self.warmup_steps) * 3 // self.ramp_steps if self.ramp_steps else -1
+        stages = [d for d in RAMP if d > self.density]
+        return stages[stage] if 0 <= stage < len(stages) else self.density
 
     @property
     def dense(self) -> bool:

@@ -87,6 +87,7 @@ class ScapeAdamS(AdamS):
             {n: g["betas"][0] for g in self.param_groups for p in g["params"] if p in self._names
              for n in [self._names[p]]},
             applied=set() if skip else set(with_grad),
+            synced_at={n: self.state[p]["synced_at"] for p, n in self._names.items() if "synced_at" in self.state[p]},
         )
         return loss
 

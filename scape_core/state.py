@@ -68,6 +68,10 @@ class ScapeState:
       bitmap, whichever is smaller). Quality cost grows with sparsity: measure before 0.99.
     - ``warmup_steps``: dense steps first. They fill the momentum the first mask is scored
       from and outlive DDP's bucket rebuild after iteration 1. Tens to hundreds of steps.
+    - ``ramp_steps``: after the warm-up, denser masks for a while (25%, 6.25%, 1.6% density),
+      as DGC's sparsity warm-up; the measured largest gain after the update rule.
+    - ``update``: the masked update rule; ``"linear"`` (default) applies each coordinate's whole
+      synchronized sum, ``"lazy"`` (the contract's first reading) one AdamS step per selection.
     - ``mask_delay``: 1 (default) gives each mask's all-gather a whole step to complete off the
       critical path; 0 waits for it (ablation).
     - ``mask_refresh``: steps between new masks; larger saves the mask bytes and top-k time.
@@ -114,8 +118,9 @@ class ScapeState:
         if not self.params:
             raise ValueError("the model has no trainable parameters")
         self.names = {id(p): n for n, p in self.params.items()}
-        self.layout = None if self.config.dense else MaskLayout(
-            {n: p.numel() for n, p in self.params.items()}, self.world_size, self.config.density)
+        self._layouts: dict[float, MaskLayout] = {}  # one per density the ramp uses
+        self.layout = None if self.config.dense else self.layout_at(
+            self.config.warmup_steps + self.config.ramp_steps)  # the layout after the ramp
         self.step = 0  # optimizer steps taken (skipped ones included)
         self.residuals: dict[str, Tensor] = {}  # allocated at the first sparse step
         self.masks: dict[int, dict[str, Tensor]] = {}  # step -> mask used at that step
@@ -130,6 +135,14 @@ class ScapeState:
         """Whether ``step`` exchanges every coordinate (warm-up or ``sparsity == 0``)."""
         return self.config.dense or step < self.config.warmup_steps
 
+    def layout_at(self, step: int) -> MaskLayout:
+        """The mask layout of ``step`` (its density follows the ramp); every rank derives it alone."""
+        density = self.config.density_at(step)
+        if density not in self._layouts:
+            self._layouts[density] = MaskLayout({n: p.numel() for n, p in self.params.items()},
+                                                self.world_size, density)
+        return self._layouts[density]
+
     def _is_refresh(self, step: int) -> bool:
         return (step - self.config.warmup_steps) % self.config.mask_refresh == 0
 
@@ -143,7 +156,7 @@ class ScapeState:
                                    "ScapeAdamS.step() skipped, or the state reloaded without its masks?")
             # No step before this one could select it (warm-up shorter than the delay):
             # evenly spaced coordinates, identical on every rank without communication.
-            self.masks[self.step] = self.layout.strided()
+            self.masks[self.step] = self.layout_at(self.step).strided()
         return self.masks[self.step]
 
     # ----- hook side ------------------------------------------------------------------
@@ -190,7 +203,8 @@ class ScapeState:
             raise RuntimeError(f"gradients of {missing[:3]} were not synchronized by scape_hook this step")
         return (None if self.is_dense(self.step) else self.masks[self.step]), self._current.nonfinite
 
-    def end_step(self, momenta: dict[str, Tensor], beta1: dict[str, float], applied: set[str]) -> None:
+    def end_step(self, momenta: dict[str, Tensor], beta1: dict[str, float], applied: set[str],
+                 synced_at: dict[str, Tensor] | None = None) -> None:
         """Close the step, then schedule upcoming masks.
 
         Values that were synchronized but not applied (a skipped step, or a parameter with no
@@ -210,25 +224,30 @@ class ScapeState:
         target = done + 1 + self.config.mask_delay
         if not self.is_dense(target):
             if self._is_refresh(target):
-                self._select(target, momenta, beta1)
+                self._select(target, momenta, beta1, synced_at or {})
             else:
                 self.masks[target] = self.masks[target - 1]
         if self.config.mask_delay == 0:
             self._finish_pending()
         self.masks = {s: m for s, m in self.masks.items() if s >= self.step}
 
-    def _select(self, target: int, momenta: dict[str, Tensor], beta1: dict[str, float]) -> None:
+    def _select(self, target: int, momenta: dict[str, Tensor], beta1: dict[str, float],
+                synced_at: dict[str, Tensor]) -> None:
         """Score and pick this rank's partitions, then start the all-gather of every rank's picks."""
         scheduled = self.masks.get(target - 1) if self.config.mask_delay else None
+        layout = self.layout_at(target)
         picks = {}
-        for slot in self.layout.partition(self.rank):
+        for slot in layout.partition(self.rank):
             if not slot.k:
                 continue
             p = self.params[slot.name]
             part = slice(slot.start, slot.start + slot.size)
             m = momenta.get(slot.name)
             m = torch.zeros(slot.size, device=p.device) if m is None else m.view(-1)[part].float()
-            if self.config.score == "momentum_residual" and slot.name in self.residuals:
+            if self.config.resolved_score == "age_momentum" and slot.name in synced_at:
+                # |m| (n - 1): synced_at holds the optimizer step count (from 1) of the last sync
+                score = m.abs().mul_(target - synced_at[slot.name].view(-1)[part].float())
+            elif self.config.resolved_score == "momentum_residual" and slot.name in self.residuals:
                 b1 = beta1.get(slot.name, 0.9)
                 score = (b1 * m + (1 - b1) * self.residuals[slot.name][part]).abs_()
             else:
@@ -240,19 +259,19 @@ class ScapeState:
                 exclude = idx[lo:hi] - slot.start
             picks[slot.name] = select_topk(score, slot.k, exclude)
         device = next(iter(self.params.values())).device
-        payload = self.layout.encode(self.rank, picks, device=device)
+        payload = layout.encode(self.rank, picks, device=device)
         out = [torch.empty_like(payload) for _ in range(self.world_size)]
         work = dist.all_gather(out, payload, group=self.process_group, async_op=True)
         self.counters["mask_bytes"] += payload.numel()
         self.counters["bytes_sent"] += payload.numel()
-        self._pending = (target, work, out)
+        self._pending = (target, layout, work, out)
 
     def _finish_pending(self) -> None:
         if self._pending is None:
             return
-        target, work, out = self._pending
+        target, layout, work, out = self._pending
         work.wait()
-        self.masks[target] = {n: m.to(self.params[n].device) for n, m in self.layout.decode(
+        self.masks[target] = {n: m.to(self.params[n].device) for n, m in layout.decode(
             [o.cpu() for o in out]).items()}
         self._pending = None
 

