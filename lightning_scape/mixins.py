@@ -85,6 +85,11 @@ class ScapeStrategyMixin:
             raise RuntimeError("set up the model before its optimizer: SCAPE binds the optimizer to the model's state")
         return to_scape_adams(optimizers[0], self.scape_state)
 
+    def teardown(self) -> None:
+        if self.scape_state is not None:
+            self.scape_state.wait()  # no mask all-gather left in flight when the process group goes
+        super().teardown()
+
     def _check_hook_ran(self) -> None:
         counters = self.scape_state.counters
         if counters["steps"] and not counters["hook_calls"]:

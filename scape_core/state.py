@@ -266,6 +266,14 @@ class ScapeState:
         self.counters["bytes_sent"] += payload.numel()
         self._pending = (target, layout, work, out)
 
+    def wait(self) -> None:
+        """Finish the in-flight mask exchange; call before ``dist.destroy_process_group()``.
+
+        Each step starts the all-gather of a future mask; tearing the process group down under
+        it can abort the process (gloo: "terminate called without an active exception").
+        """
+        self._finish_pending()
+
     def _finish_pending(self) -> None:
         if self._pending is None:
             return

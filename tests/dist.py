@@ -28,6 +28,7 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, out: str) -> No
     dist.init_process_group("gloo", rank=rank, world_size=world_size)
     try:
         result = fn(rank, world_size, *args)
+        dist.barrier()  # every rank done with its collectives (SCAPE's async mask all-gathers included)
         torch.save({"ok": result}, Path(out) / f"{rank}.pt")
     except BaseException:
         torch.save({"error": traceback.format_exc()}, Path(out) / f"{rank}.pt")

@@ -21,8 +21,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def torchrun(out: Path, *args: str) -> list[str]:
+    # 2 restarts: the planned crash, plus one spare, because on this machine a restarted gloo worker
+    # has (twice in ~15 runs) aborted with "terminate called without an active exception" inside
+    # torch; the assertions below still need the crash and a final state equal to the straight run
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           "--max-restarts", "1", str(ROOT / "tests/scripts/elastic_train.py"), str(out), *args]
+           "--max-restarts", "2", str(ROOT / "tests/scripts/elastic_train.py"), str(out), *args]
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

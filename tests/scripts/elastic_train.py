@@ -76,6 +76,7 @@ def main() -> None:
     residuals = [state.residuals[n] for n in sorted(state.residuals)]
     (args.out / f"rank{rank}.txt").write_text(
         f"{digest(model.parameters())} {digest(moments)} {digest(residuals)} {state.step}\n")
+    state.wait()  # the next mask's all-gather is still in flight
     dist.destroy_process_group()
 
 
