@@ -372,6 +372,7 @@ def plot(summary: dict[str, Any], links: dict[str, str], context: int, path: Pat
         label = f"{links[link]}, batch {b}x{context} (bound {rows[BOUND]['time_s']:.2f} s)" if BOUND in rows else key
         ax1.bar(xs, [ratio(rows, n, BOUND) if BOUND in rows else rows[n]["time_s"] for n in names], width, label=label)
     ax1.axhline(1.25, color="k", ls="--", lw=0.8)
+    ax1.set_ylim(top=ax1.get_ylim()[1] * 1.4)  # room for the legend above the bars
     ax1.set_xticks([j + 0.4 - width / 2 for j in range(len(names))], names, rotation=25, ha="right")
     ax1.set_ylabel("step time / no-comm bound (median of per-round ratios)")
     ax1.set_title("Step time relative to no communication (dashed: 1.25x)")
