@@ -33,7 +33,8 @@ def accumulate(state: ScapeState, bucket: dist.GradBucket) -> _Bucket:
     state.record_sync(names)
     grads = [g.view(-1) for g in bucket.gradients()]
     mask = state.current_mask()
-    finite = bool(torch.isfinite(buffer.sum()))  # a NaN/inf anywhere makes the sum non-finite
+    lo, hi = torch.aminmax(buffer)  # NaN propagates, +-inf stays; unlike a sum, no fp16 overflow
+    finite = bool(torch.isfinite(lo) & torch.isfinite(hi))
     accumulated = []
     for name, g in zip(names, grads):
         if mask is None:  # dense: the whole bucket goes out, a_r is built in the bucket

@@ -345,3 +345,20 @@ def test_one_compact_all_reduce_per_bucket_and_one_mask_gather_per_step():
     assert ramp[:3] == [1.0, 1.0, 1.0]  # dense warm-up
     for i, density in enumerate([0.25, 0.25, 0.0625, 0.0625, 0.015625, 0.015625, 0.01, 0.01]):
         assert density <= ramp[3 + i] <= density + partitions / n, (i, ramp)
+
+
+# ----------------------------------------------------------------------------------------
+def _fp16_large_gradients(rank, world):
+    torch.manual_seed(0)
+    model = nn.Linear(1000, 100, bias=False).half()
+    ddp, state, opt = scape_setup(model, 0.9, warmup=1, ramp_steps=0)
+    for step in range(4):
+        model.weight.grad = None
+        (ddp(torch.ones(1, 1000, dtype=torch.float16)).float().sum() * 2.0).backward()  # grads: 2.0 each
+        opt.step()
+    return state.stats()["skipped_steps"], bool(torch.isfinite(model.weight).all())
+
+
+def test_fp16_gradients_summing_past_fp16_range_are_not_skipped():
+    for skipped, finite in run_distributed(_fp16_large_gradients):
+        assert skipped == 0 and finite  # 100k gradients of 2.0 sum past 65504: still a finite step
