@@ -33,6 +33,7 @@ from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
+from benchmarks.bench_common import Block  # noqa: E402
 from benchmarks.simulator import SimulatedScape, SimulatedTopK, rank_gradients  # noqa: E402
 from scape_core import AdamS, ScapeConfig  # noqa: E402
 
@@ -71,23 +72,6 @@ def sample(data: Tensor, n: int, context: int, gen: torch.Generator) -> tuple[Te
     x = torch.stack([data[s:s + context] for s in starts.tolist()])
     y = torch.stack([data[s + 1:s + context + 1] for s in starts.tolist()])
     return x, y
-
-
-class Block(nn.Module):
-    def __init__(self, width: int, heads: int) -> None:
-        super().__init__()
-        self.heads = heads
-        self.ln1, self.ln2 = nn.LayerNorm(width), nn.LayerNorm(width)
-        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
-        self.fc, self.out = nn.Linear(width, 4 * width), nn.Linear(4 * width, width)
-
-    def forward(self, x: Tensor) -> Tensor:
-        b, t, c = x.shape
-        q, k, v = self.qkv(self.ln1(x)).split(c, dim=2)
-        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
-        return x + self.out(F.gelu(self.fc(self.ln2(x))))
 
 
 class GPT(nn.Module):
