@@ -103,6 +103,16 @@ def test_replicas_identical_and_bytes_bounded(sparsity, bound):
 
 
 # ----------------------------------------------------------------------------------------
+def conservation_error(state, sum_applied, sum_mean_grad) -> float:
+    """Largest |applied + mean residual - sum of mean gradients| over every parameter (collective)."""
+    err = 0.0
+    for name, a, want in zip(state.params, sum_applied, sum_mean_grad):
+        e = state.residual(name).view_as(a).clone()
+        dist.all_reduce(e)
+        err = max(err, (a + e / state.world_size - want).abs().max().item())
+    return err
+
+
 def _conservation(rank, world):
     model = make_model()
     ddp, state, opt = scape_setup(model, 0.9, warmup=2)
@@ -121,11 +131,7 @@ def _conservation(rank, world):
             s.add_(p.grad)
         opt.step()
         opt.zero_grad()
-    err = 0.0
-    for name, p, a, want in zip(state.params, params, sum_applied, sum_mean_grad):
-        e = state.residual(name).view_as(p).clone()
-        dist.all_reduce(e)
-        err = max(err, (a + e / world - want).abs().max().item())
+    err = conservation_error(state, sum_applied, sum_mean_grad)
     return err, sum(float(r.abs().sum()) for r in state.residuals.values())
 
 

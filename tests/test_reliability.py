@@ -15,7 +15,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from scape_core import ScapeAdamS, ScapeState, gather_state_dict, load_checkpoint, save_checkpoint, scape_hook
 from tests.dist import run_distributed
-from tests.test_core_ddp import batch, loss_fn, make_model, scape_setup, snapshot, train
+from tests.test_core_ddp import batch, conservation_error, loss_fn, make_model, scape_setup, snapshot, train
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -144,11 +144,7 @@ def _unused_and_frozen(rank, world):
                 s.add_(p.grad)
         opt.step()
         opt.zero_grad()
-    err = 0.0
-    for name, p, a, want in zip(state.params, params, sum_applied, sum_mean_grad):
-        e = state.residual(name).view_as(p).clone()
-        dist.all_reduce(e)
-        err = max(err, (a + e / world - want).abs().max().item())
+    err = conservation_error(state, sum_applied, sum_mean_grad)
     late = None
     try:
         opt.add_param_group({"params": [nn.Parameter(torch.zeros(3))]})
