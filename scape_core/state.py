@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import warnings
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -127,6 +129,7 @@ class ScapeState:
         self._pending: tuple[int, Any, list[Tensor]] | None = None  # (step, work, payloads)
         self._current = _Step()
         self.optimizer: Any = None
+        atexit.register(_wait_at_exit, weakref.ref(self))
         self.counters = dict(steps=0, skipped_steps=0, hook_calls=0, values_sent=0, bytes_sent=0,
                              mask_bytes=0, dense_bytes=0)
 
@@ -350,6 +353,21 @@ class ScapeState:
                 f"this SCAPE state is rank {state['rank']} of world size {state['world_size']}; "
                 f"to resume on rank {self.rank} of {self.world_size}, save with gather_state_dict()")
         return state["residual"]
+
+
+def _wait_at_exit(ref: "weakref.ref[ScapeState]") -> None:
+    """At interpreter exit, finish the in-flight mask all-gather.
+
+    A process that exits with gloo work still pending aborts ("terminate called without an
+    active exception"), and the last step always leaves the next mask's all-gather in flight.
+    """
+    state = ref()
+    if state is None or state._pending is None:
+        return
+    try:
+        state.wait()
+    except Exception as e:  # the process group is already gone: nothing left to wait for
+        warnings.warn(f"SCAPE: the last mask all-gather could not be finished at exit: {e}", stacklevel=1)
 
 
 def gather_state_dict(state: ScapeState) -> dict[str, Any]:
