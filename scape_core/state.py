@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import atexit
 import warnings
-import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -129,7 +128,6 @@ class ScapeState:
         self._pending: tuple[int, Any, list[Tensor]] | None = None  # (step, work, payloads)
         self._current = _Step()
         self.optimizer: Any = None
-        atexit.register(_wait_at_exit, weakref.ref(self))
         self.counters = dict(steps=0, skipped_steps=0, hook_calls=0, values_sent=0, bytes_sent=0,
                              mask_bytes=0, dense_bytes=0)
 
@@ -268,6 +266,7 @@ class ScapeState:
         self.counters["mask_bytes"] += payload.numel()
         self.counters["bytes_sent"] += payload.numel()
         self._pending = (target, layout, work, out)
+        _IN_FLIGHT.append(work)
 
     def wait(self) -> None:
         """Finish the in-flight mask exchange; call before ``dist.destroy_process_group()``.
@@ -282,6 +281,7 @@ class ScapeState:
             return
         target, layout, work, out = self._pending
         work.wait()
+        _IN_FLIGHT.remove(work)
         self.masks[target] = {n: m.to(self.params[n].device) for n, m in layout.decode(
             [o.cpu() for o in out]).items()}
         self._pending = None
@@ -355,19 +355,23 @@ class ScapeState:
         return state["residual"]
 
 
-def _wait_at_exit(ref: "weakref.ref[ScapeState]") -> None:
-    """At interpreter exit, finish the in-flight mask all-gather.
+_IN_FLIGHT: list[Any] = []  # pending mask all-gathers, held until finished (even if their state is gone)
 
-    A process that exits with gloo work still pending aborts ("terminate called without an
-    active exception"), and the last step always leaves the next mask's all-gather in flight.
+
+@atexit.register
+def _wait_at_exit() -> None:
+    """At interpreter exit, finish every in-flight mask all-gather.
+
+    The last step always leaves the next mask's all-gather in flight; a process that exits (or
+    frees the work) with gloo work still pending can abort ("terminate called without an
+    active exception").
     """
-    state = ref()
-    if state is None or state._pending is None:
-        return
-    try:
-        state.wait()
-    except Exception as e:  # the process group is already gone: nothing left to wait for
-        warnings.warn(f"SCAPE: the last mask all-gather could not be finished at exit: {e}", stacklevel=1)
+    while _IN_FLIGHT:
+        work = _IN_FLIGHT.pop()
+        try:
+            work.wait()
+        except Exception as e:  # the process group is already gone: nothing left to wait for
+            warnings.warn(f"SCAPE: a mask all-gather could not be finished at exit: {e}", stacklevel=1)
 
 
 def gather_state_dict(state: ScapeState) -> dict[str, Any]:
