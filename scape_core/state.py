@@ -119,9 +119,7 @@ class ScapeState:
         if not self.params:
             raise ValueError("the model has no trainable parameters")
         self.names = {id(p): n for n, p in self.params.items()}
-        self._layouts: dict[float, MaskLayout] = {}  # one per density the ramp uses
-        self.layout = None if self.config.dense else self.layout_at(
-            self.config.warmup_steps + self.config.ramp_steps)  # the layout after the ramp
+        self._layouts: dict[float, MaskLayout] = {}  # one per density the ramp uses, built on first use
         self.step = 0  # optimizer steps taken (skipped ones included)
         self.residuals: dict[str, Tensor] = {}  # allocated at the first sparse step
         self.masks: dict[int, dict[str, Tensor]] = {}  # step -> mask used at that step
@@ -219,7 +217,7 @@ class ScapeState:
         self._current = _Step()
         done, self.step = self.step, self.step + 1
         self.counters["steps"] += 1
-        if self.layout is None:
+        if self.config.dense:
             return
         self._finish_pending()
         target = done + 1 + self.config.mask_delay
