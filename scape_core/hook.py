@@ -33,8 +33,10 @@ def accumulate(state: ScapeState, bucket: dist.GradBucket) -> _Bucket:
     state.record_sync(names)
     grads = [g.view(-1) for g in bucket.gradients()]
     mask = state.current_mask()
-    lo, hi = torch.aminmax(buffer)  # NaN propagates, +-inf stays; unlike a sum, no fp16 overflow
-    finite = bool(torch.isfinite(lo) & torch.isfinite(hi))
+    finite = True  # dense steps need no local check: a non-finite input makes the reduced sum non-finite
+    if mask is not None:
+        lo, hi = torch.aminmax(buffer)  # NaN propagates, +-inf stays; unlike a sum, no fp16 overflow
+        finite = bool(torch.isfinite(lo) & torch.isfinite(hi))
     accumulated = []
     for name, g in zip(names, grads):
         if mask is None:  # dense: the whole bucket goes out, a_r is built in the bucket
