@@ -134,6 +134,18 @@ def launch(argv: list[str], world_size: int, timeout: float, prefix: list[str] |
                 p.wait()
 
 
+def end_rank() -> None:
+    """End a benchmark rank after its results are written, skipping interpreter finalization.
+
+    torch 2.13's gloo can abort a process during finalization when its own thread frees a
+    collective launched in backward (stock DDP and torch's hooks, timed here as baselines, do
+    this; scape_core/inflight.py has the details and SCAPE's own fix). The results are on disk.
+    """
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
 def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
 

@@ -48,7 +48,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from bench_common import (GPT, batches, core_version, count_params, launch, machine, median, scape_fields,
+from bench_common import (GPT, batches, core_version, count_params, end_rank, launch, machine, median, scape_fields,
                           shakespeare)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -432,7 +432,7 @@ def main() -> None:
     args = parse()
     if args.worker:
         worker(args)
-        return
+        end_rank()
     links = [l.strip() for l in args.links.split(",")]
     world = 2
     rate_mbit = args.gbit * 1000 * world  # every rank's traffic crosses the one shared loopback queue

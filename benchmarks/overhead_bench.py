@@ -38,7 +38,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bench_common import (GPT, batches, core_version, count_params, launch, machine, median, scape_fields,
+from bench_common import (GPT, batches, core_version, count_params, end_rank, launch, machine, median, scape_fields,
                           shakespeare)
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -232,7 +232,7 @@ def main() -> None:
     args = p.parse_args()
     if args.worker:
         worker(args)
-        return
+        end_rank()
     argv = [str(Path(__file__).resolve()), "--worker"] + [
         f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
         if k not in ("worker", "result", "json", "profile", "timeout")] + (["--profile"] if args.profile else [])

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from scape_core import inflight
 from scape_core.state import ScapeState
 
 
@@ -115,5 +116,6 @@ def scape_hook(state: ScapeState, bucket: dist.GradBucket) -> torch.futures.Futu
     b = accumulate(state, bucket)
     send = compact(state, b, buffer).div_(state.world_size)
     state.count(send.numel(), send.numel() * send.element_size(), buffer.numel() * buffer.element_size())
-    fut = dist.all_reduce(send, group=state.process_group, async_op=True).get_future()
+    work = inflight.hold(dist.all_reduce(send, group=state.process_group, async_op=True))
+    fut = work.get_future()  # its callback runs on gloo's thread: exit waits for the work (see inflight)
     return fut.then(lambda f: finish(state, b, buffer, f.value()[0]))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
@@ -11,6 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from scape_core import inflight
 from scape_core.config import ScapeConfig
 from scape_core.masks import MaskLayout, select_topk
 
@@ -260,26 +260,26 @@ class ScapeState:
         device = next(iter(self.params.values())).device
         payload = layout.encode(self.rank, picks, device=device)
         out = [torch.empty_like(payload) for _ in range(self.world_size)]
-        work = dist.all_gather(out, payload, group=self.process_group, async_op=True)
+        work = inflight.hold(dist.all_gather(out, payload, group=self.process_group, async_op=True))
         self.counters["mask_bytes"] += payload.numel()
         self.counters["bytes_sent"] += payload.numel()
         self._pending = (target, layout, work, out)
-        _IN_FLIGHT.append(work)
 
     def wait(self) -> None:
-        """Finish the in-flight mask exchange; call before ``dist.destroy_process_group()``.
+        """Finish SCAPE's in-flight collectives; call before ``dist.destroy_process_group()``.
 
-        Each step starts the all-gather of a future mask; tearing the process group down under
-        it can abort the process (gloo: "terminate called without an active exception").
+        Each step starts the all-gather of a future mask, and gloo finishes each all-reduce's
+        callback on its own thread; tearing the process group down (or exiting) under either
+        can abort the process (gloo: "terminate called without an active exception").
         """
         self._finish_pending()
+        inflight.finish_all()
 
     def _finish_pending(self) -> None:
         if self._pending is None:
             return
         target, layout, work, out = self._pending
         work.wait()
-        _IN_FLIGHT.remove(work)
         self.masks[target] = {n: m.to(self.params[n].device) for n, m in layout.decode(
             [o.cpu() for o in out]).items()}
         self._pending = None
@@ -351,25 +351,6 @@ class ScapeState:
                 f"this SCAPE state is rank {state['rank']} of world size {state['world_size']}; "
                 f"to resume on rank {self.rank} of {self.world_size}, save with gather_state_dict()")
         return state["residual"]
-
-
-_IN_FLIGHT: list[Any] = []  # pending mask all-gathers, held until finished (even if their state is gone)
-
-
-@atexit.register
-def _wait_at_exit() -> None:
-    """At interpreter exit, finish every in-flight mask all-gather.
-
-    The last step always leaves the next mask's all-gather in flight; a process that exits (or
-    frees the work) with gloo work still pending can abort ("terminate called without an
-    active exception").
-    """
-    while _IN_FLIGHT:
-        work = _IN_FLIGHT.pop()
-        try:
-            work.wait()
-        except Exception as e:  # the process group is already gone: nothing left to wait for
-            warnings.warn(f"SCAPE: a mask all-gather could not be finished at exit: {e}", stacklevel=1)
 
 
 def gather_state_dict(state: ScapeState) -> dict[str, Any]:

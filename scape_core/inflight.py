@@ -1,0 +1,53 @@
+"""SCAPE's collectives, held by Python until gloo is surely done with them, and finished at exit.
+
+A gloo collective launched during ``backward()`` (every comm-hook all-reduce) captures the
+backward's thread-local state, which in torch 2.13 holds a Python object; the hook's
+``fut.then(...)`` callback is another. gloo finishes the collective on its own worker thread,
+and whichever side drops the last reference to it frees those Python objects, which needs the
+GIL. On gloo's thread during interpreter finalization that cannot happen, and the process
+aborts: "terminate called without an active exception" (stock DDP on gloo does the same in
+torch 2.13: 11 of 20 two-rank runs of a 4-step script). So:
+
+- Python keeps a reference to every collective SCAPE starts, and drops it only after seeing
+  it finished at an earlier :func:`hold` (gloo has let go by then: its thread was done with it
+  one training step ago), so the work is freed on a Python thread that holds the GIL.
+- At exit (``atexit``, before finalization) every held collective is waited for, callbacks
+  included (``Work.wait()`` returns after them), and the remaining references are kept for
+  good, so gloo's thread never frees one while the interpreter shuts down.
+"""
+
+from __future__ import annotations
+
+import atexit
+import ctypes
+import warnings
+
+import torch.distributed as dist
+
+_PENDING: list[dist.Work] = []  # started, not yet seen finished
+_FINISHED: list[dist.Work] = []  # seen finished at the last hold(): dropped at the next one
+
+
+def hold(work: dist.Work) -> dist.Work:
+    """Keep a reference to ``work`` until it is safe to drop (see the module docstring); return it."""
+    done = [w.is_completed() for w in _PENDING]
+    _FINISHED[:] = [w for w, d in zip(_PENDING, done) if d]
+    _PENDING[:] = [w for w, d in zip(_PENDING, done) if not d] + [work]
+    return work
+
+
+def finish_all() -> None:
+    """Wait for every held collective (one that failed is reported as a warning, not raised)."""
+    for work in list(_PENDING):
+        try:
+            work.wait()
+        except Exception as e:  # the process group is already gone: nothing left to wait for
+            warnings.warn(f"SCAPE: a collective could not be finished: {e}", stacklevel=1)
+
+
+@atexit.register
+def _finish_at_exit() -> None:
+    finish_all()
+    # gloo's thread may hold its own reference a moment longer; ours must outlive it
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(_PENDING))
+    ctypes.pythonapi.Py_IncRef(ctypes.py_object(_FINISHED))
