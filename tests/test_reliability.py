@@ -242,6 +242,8 @@ def test_long_run_replicas_identical_and_memory_flat():
     (h0, marks, stats), (h1, _, _) = run_distributed(_long_run, steps)
     assert h0 == h1
     (rss_early, tensors_early), (rss_late, tensors_late) = marks[steps // 5], marks[steps]
-    assert tensors_late <= tensors_early
+    # scape_core.inflight keeps the last step's collectives (and the tensors they hold) until gloo
+    # is surely done with them: a handful that varies with timing; a leak of one per step adds 800
+    assert tensors_late <= tensors_early + 8, (tensors_early, tensors_late)
     assert rss_late - rss_early < 20 * 2**20, (rss_early, rss_late)
     assert stats["steps"] == steps and stats["skipped_steps"] == 0
