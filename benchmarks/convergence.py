@@ -151,7 +151,7 @@ def build(cfg: dict, model: nn.Module, args: argparse.Namespace):
     config = ScapeConfig(warmup_steps=warmup, **fields)
     ramp = int(cfg.get("ramp", 0))
     density_at = ramp_schedule(warmup, ramp, config.density) if ramp else None
-    score = cfg.get("score") if cfg.get("score") in ("residual", "age_momentum") else None
+    score = cfg.get("score") if cfg.get("score") in ("residual", "age_momentum", "age", "gain", "pending") else None
     return SimulatedScape(model, args.world_size, config, send=cfg.get("send", "gradient"), score=score,
                           density_at=density_at, **hp)
 

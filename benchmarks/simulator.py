@@ -36,7 +36,21 @@ from torch import Tensor, nn
 from scape_core.adams import MOMENTUM, adams_foreach
 from scape_core.config import ScapeConfig
 from scape_core.masks import INDEX_BYTES, MaskLayout, select_topk, topk_count
-from scape_core.update_rules import UPDATE_RULES
+from scape_core.update_rules import UPDATE_RULES, LinearUpdate, register_update_rule
+
+
+class LinearKeepD(LinearUpdate):
+    """``linear`` that also keeps each coordinate's last ``d`` (prototype: the ``gain`` score reads it)."""
+
+    def window_step(self, state, grad, mask, **hp):  # type: ignore[no-untyped-def]
+        s, d, m = super().window_step(state, grad, mask, **hp)
+        if "d" not in state:
+            state["d"] = torch.zeros_like(state[MOMENTUM])
+        state["d"].view(-1).index_copy_(0, mask, d)
+        return s, d, m
+
+
+register_update_rule(LinearKeepD("linear_keep_d"))
 
 VALUE_BYTES = 4  # fp32 gradients
 
@@ -72,7 +86,11 @@ class SimulatedScape:
         score: overrides ``config.score``; prototypes: ``"residual"`` scores ``|e_r|`` alone,
             ``"age_momentum"`` scores ``|m| * (n - 1)``, ``n`` the window the coordinate will have at
             the step the mask is for: the expected size of its pending sum, from replicated values
-            only (needs a rule that tracks windows: ``linear``, ``catchup``, ``predict``).
+            only (needs a rule that tracks windows: ``linear``, ``catchup``, ``predict``);
+            ``"age"`` scores ``n - 1`` alone (round robin by waiting time, ``|m|`` breaking ties);
+            ``"gain"`` scores ``(n - 1) m^2 / d`` (needs ``update="linear_keep_d"``), the
+            first-order loss decrease of applying the pending sum; ``"pending"`` scores
+            ``sqrt((n - 1)^2 m^2 + (n - 1) sigma^2)`` (same rule), its expected size noise included.
         density_at: prototype sparsity ramp: ``step -> density`` for the mask used at ``step``.
     """
 
@@ -162,6 +180,22 @@ class SimulatedScape:
                 elif self.score == "age_momentum" and state is not None and "synced_at" in state:
                     age = target - state["synced_at"].view(-1)[part].float()  # n - 1 (synced_at counts from 1)
                     score = m.abs() * age
+                elif self.score == "gain" and state is not None and "synced_at" in state:
+                    # first-order loss decrease of syncing now: (n - 1) m^2 / d, d from the last sync
+                    age = target - state["synced_at"].view(-1)[part].float()
+                    d = state["d"].view(-1)[part] if "d" in state else torch.zeros_like(m)
+                    d = torch.where(d > 0, d, m.abs()) + 1e-30
+                    score = m * m * age / d
+                elif self.score == "pending" and state is not None and "synced_at" in state:
+                    # expected |pending sum|: sqrt((n-1)^2 m^2 + (n-1) sigma^2), sigma^2 from the last d
+                    age = target - state["synced_at"].view(-1)[part].float()
+                    d = state["d"].view(-1)[part] if "d" in state else torch.zeros_like(m)
+                    c = self.hp["beta2"] * (1 - b1) / (1 + b1) + (1 - self.hp["beta2"])
+                    noise = (d * d - m * m).clamp_(min=0) / c
+                    score = (age * age * m * m + age * noise).sqrt_()
+                elif self.score == "age" and state is not None and "synced_at" in state:
+                    age = target - state["synced_at"].view(-1)[part].float()  # round-robin by waiting time
+                    score = age + m.abs() / (m.abs().max() + 1e-30)  # |m| only breaks ties
                 elif self.score == "momentum_residual" and e is not None:
                     score = (b1 * m + (1 - b1) * e[r, part]).abs_()
                 else:

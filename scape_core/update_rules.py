@@ -192,8 +192,13 @@ class LinearUpdate:
     the farthest dense AdamS could go in the window. Costs one more fp32 buffer (``sq``).
     """
 
-    name = "linear"
     tracks_windows = True
+
+    def __init__(self, name: str = "linear", per_step: bool = False, noise_ema: bool = False) -> None:
+        # candidates (docs/benchmarks.md): per_step: the EMAs decay by beta ** n over a window of
+        # n steps, not by beta once per selection; noise_ema: ``sq`` holds an EMA of each window's
+        # noise estimate ``s^2 / n - n m^2`` (consistent when n changes between windows)
+        self.name, self.per_step, self.noise_ema = name, per_step, noise_ema
 
     def apply(self, p: Tensor, state: dict[str, Any], grad: Tensor, mask: Tensor, **hp: float) -> None:
         decay(p, hp["lr"], hp["weight_decay"])
@@ -210,11 +215,15 @@ class LinearUpdate:
         m_all, sq_all = _flat(state[MOMENTUM]), _flat(state["sq"])
         s = _flat(grad).index_select(0, mask).float()
         gbar = s / n
-        m = m_all.index_select(0, mask).mul_(b1).add_(gbar, alpha=1 - b1)
+        w1, w2 = (b1 ** n, b2 ** n) if self.per_step else (b1, b2)
+        m = m_all.index_select(0, mask)
+        m = m.mul_(w1).add_(gbar * (1 - w1)) if self.per_step else m.mul_(b1).add_(gbar, alpha=1 - b1)
         sq = sq_all.index_select(0, mask)
         q = s * s / n
-        sq = torch.where(sq > 0, b2 * sq + (1 - b2) * q, q)  # first window: take it as is
-        noise = (sq - n * m * m).clamp_(min=0)
+        if self.noise_ema:
+            q = (q - n * m * m).clamp_(min=0)
+        sq = torch.where(sq > 0, w2 * sq + (1 - w2) * q, q)  # first window: take it as is
+        noise = sq if self.noise_ema else (sq - n * m * m).clamp_(min=0)
         c = b2 * (1 - b1) / (1 + b1) + (1 - b2)
         d = torch.maximum((m * m + c * noise).sqrt_(), gbar.abs()).add_(hp["eps"])
         m_all.index_copy_(0, mask, m)
@@ -231,8 +240,6 @@ class PredictiveUpdate(LinearUpdate):
     gradients of the window are taken where the coordinate is heading. ``|m / d| <= 1``: no
     coordinate predicts faster than dense AdamS moves. Costs two more fp32 buffers.
     """
-
-    name = "predict"
 
     def apply(self, p: Tensor, state: dict[str, Any], grad: Tensor, mask: Tensor, **hp: float) -> None:
         lr = hp["lr"]
@@ -260,4 +267,6 @@ class PredictiveUpdate(LinearUpdate):
 register_update_rule(CatchUpUpdate())
 register_update_rule(CatchUpUpdate("catchup_sqrt", power=0.5))
 register_update_rule(LinearUpdate())
-register_update_rule(PredictiveUpdate())
+register_update_rule(LinearUpdate("linear_per_step", per_step=True))
+register_update_rule(LinearUpdate("linear_noise", noise_ema=True))
+register_update_rule(PredictiveUpdate("predict"))

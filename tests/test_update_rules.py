@@ -16,7 +16,8 @@ def fresh(step: int, numel: int = 6, seed: int = 0) -> tuple[torch.Tensor, dict]
     return p, {"step": step, MOMENTUM: torch.randn(numel, generator=g) * 0.1}
 
 
-@pytest.mark.parametrize("name", ["lazy", "dense", "catchup", "catchup_sqrt", "linear"])
+@pytest.mark.parametrize("name", ["lazy", "dense", "catchup", "catchup_sqrt", "linear", "linear_per_step",
+                                  "linear_noise", "predict"])
 def test_rules_are_selectable(name):
     assert ScapeConfig(update=name).update == name
     assert UPDATE_RULES[name].name == name
@@ -58,14 +59,15 @@ def test_catchup_replays_dense_adams_on_a_constant_gradient():
     torch.testing.assert_close(state[MOMENTUM][:1], ref_m)
 
 
-def test_linear_applies_the_whole_sum_and_is_bounded_by_the_window():
+@pytest.mark.parametrize("name", ["linear", "linear_per_step", "linear_noise"])
+def test_linear_applies_the_whole_sum_and_is_bounded_by_the_window(name):
     p, state = fresh(step=1, numel=4)
     before = p.clone()
     window(state, torch.arange(4))
     state["step"] = 11  # a 10-step window
     grad = torch.tensor([1.0, -2.0, 0.0, 3.0])
     mask = torch.tensor([0, 1, 3])
-    UPDATE_RULES["linear"].apply(p, state, grad, mask, **HP)
+    UPDATE_RULES[name].apply(p, state, grad, mask, **HP)
     moved = (p - before).abs()
     assert moved[2] == 0  # not selected: unchanged (no weight decay here)
     assert (moved[mask] <= 10 * HP["lr"] + 1e-6).all()  # at most n lr-sized steps
@@ -74,7 +76,7 @@ def test_linear_applies_the_whole_sum_and_is_bounded_by_the_window():
 
 
 def test_rules_depend_only_on_their_inputs():  # replicas stay identical: same inputs, same outputs
-    for name in ("catchup", "catchup_sqrt", "linear"):
+    for name in ("catchup", "catchup_sqrt", "linear", "linear_per_step", "linear_noise", "predict"):
         outs = []
         for _ in range(2):
             p, state = fresh(step=3)
