@@ -52,6 +52,12 @@ class LinearKeepD(LinearUpdate):
 
 register_update_rule(LinearKeepD("linear_keep_d"))
 
+
+def _last_d(state: dict, part: slice, m: Tensor) -> Tensor:
+    """The ``d`` of each coordinate's last sync (rule ``linear_keep_d``), ``|m|`` where there is none."""
+    d = state["d"].view(-1)[part] if "d" in state else torch.zeros_like(m)
+    return torch.where(d > 0, d, m.abs())
+
 VALUE_BYTES = 4  # fp32 gradients
 
 
@@ -175,27 +181,22 @@ class SimulatedScape:
                 state = self.opt_state.get(slot.name)
                 m = torch.zeros(slot.size) if state is None else state[MOMENTUM].view(-1)[part].float()
                 e = self.residuals.get(slot.name)
+                windows = state is not None and "synced_at" in state
+                # n - 1 at the step the mask is for (synced_at counts from 1)
+                age = target - state["synced_at"].view(-1)[part].float() if windows else None
                 if self.score == "residual" and e is not None:
                     score = e[r, part].abs()
-                elif self.score == "age_momentum" and state is not None and "synced_at" in state:
-                    age = target - state["synced_at"].view(-1)[part].float()  # n - 1 (synced_at counts from 1)
+                elif self.score == "age_momentum" and windows:
                     score = m.abs() * age
-                elif self.score == "gain" and state is not None and "synced_at" in state:
-                    # first-order loss decrease of syncing now: (n - 1) m^2 / d, d from the last sync
-                    age = target - state["synced_at"].view(-1)[part].float()
-                    d = state["d"].view(-1)[part] if "d" in state else torch.zeros_like(m)
-                    d = torch.where(d > 0, d, m.abs()) + 1e-30
-                    score = m * m * age / d
-                elif self.score == "pending" and state is not None and "synced_at" in state:
-                    # expected |pending sum|: sqrt((n-1)^2 m^2 + (n-1) sigma^2), sigma^2 from the last d
-                    age = target - state["synced_at"].view(-1)[part].float()
-                    d = state["d"].view(-1)[part] if "d" in state else torch.zeros_like(m)
+                elif self.score == "gain" and windows:  # first-order loss decrease of syncing now
+                    score = m * m * age / (_last_d(state, part, m) + 1e-30)
+                elif self.score == "pending" and windows:  # expected |pending sum|, noise included
+                    d = _last_d(state, part, m)
                     c = self.hp["beta2"] * (1 - b1) / (1 + b1) + (1 - self.hp["beta2"])
                     noise = (d * d - m * m).clamp_(min=0) / c
                     score = (age * age * m * m + age * noise).sqrt_()
-                elif self.score == "age" and state is not None and "synced_at" in state:
-                    age = target - state["synced_at"].view(-1)[part].float()  # round-robin by waiting time
-                    score = age + m.abs() / (m.abs().max() + 1e-30)  # |m| only breaks ties
+                elif self.score == "age" and windows:  # round robin by waiting time, |m| breaking ties
+                    score = age + m.abs() / (m.abs().max() + 1e-30)
                 elif self.score == "momentum_residual" and e is not None:
                     score = (b1 * m + (1 - b1) * e[r, part]).abs_()
                 else:

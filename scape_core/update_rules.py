@@ -215,9 +215,13 @@ class LinearUpdate:
         m_all, sq_all = _flat(state[MOMENTUM]), _flat(state["sq"])
         s = _flat(grad).index_select(0, mask).float()
         gbar = s / n
-        w1, w2 = (b1 ** n, b2 ** n) if self.per_step else (b1, b2)
         m = m_all.index_select(0, mask)
-        m = m.mul_(w1).add_(gbar * (1 - w1)) if self.per_step else m.mul_(b1).add_(gbar, alpha=1 - b1)
+        if self.per_step:
+            w1, w2 = b1 ** n, b2 ** n
+            m.mul_(w1).add_(gbar * (1 - w1))
+        else:
+            w1, w2 = b1, b2
+            m.mul_(b1).add_(gbar, alpha=1 - b1)
         sq = sq_all.index_select(0, mask)
         q = s * s / n
         if self.noise_ema:
