@@ -8,9 +8,10 @@ GIL. On gloo's thread during interpreter finalization that cannot happen, and th
 aborts: "terminate called without an active exception" (stock DDP on gloo does the same in
 torch 2.13: 11 of 20 two-rank runs of a 4-step script). So:
 
-- Python keeps a reference to every collective SCAPE starts, and drops it only after seeing
-  it finished at an earlier :func:`hold` (gloo has let go by then: its thread was done with it
-  one training step ago), so the work is freed on a Python thread that holds the GIL.
+- Python keeps a reference to every collective SCAPE starts and drops it at the :func:`hold`
+  after the one that saw it finished, by when gloo's thread (a few microseconds behind
+  ``finish()``) has let go, so the work is freed on a Python thread that holds the GIL. (During
+  training a free on gloo's thread would only wait for the GIL; the danger is at exit.)
 - At exit (``atexit``, before finalization) every held collective is waited for, callbacks
   included (``Work.wait()`` returns after them), and the remaining references are kept for
   good, so gloo's thread never frees one while the interpreter shuts down.
