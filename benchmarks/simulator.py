@@ -35,7 +35,7 @@ from torch import Tensor, nn
 
 from scape_core.adams import MOMENTUM, adams_foreach
 from scape_core.config import ScapeConfig
-from scape_core.masks import INDEX_BYTES, MaskLayout, select_topk, topk_count
+from scape_core.masks import INDEX_BYTES, MaskLayout, mask_score, scheduled_in, select_topk, topk_count
 from scape_core.update_rules import UPDATE_RULES, LinearUpdate, register_update_rule
 
 
@@ -182,12 +182,10 @@ class SimulatedScape:
                 m = torch.zeros(slot.size) if state is None else state[MOMENTUM].view(-1)[part].float()
                 e = self.residuals.get(slot.name)
                 windows = state is not None and "synced_at" in state
-                # n - 1 at the step the mask is for (synced_at counts from 1)
-                age = target - state["synced_at"].view(-1)[part].float() if windows else None
+                synced = state["synced_at"].view(-1)[part] if windows else None
+                age = target - synced.float() if windows else None  # n - 1 at the step the mask is for
                 if self.score == "residual" and e is not None:
                     score = e[r, part].abs()
-                elif self.score == "age_momentum" and windows:
-                    score = m.abs() * age
                 elif self.score == "gain" and windows:  # first-order loss decrease of syncing now
                     score = m * m * age / (_last_d(state, part, m) + 1e-30)
                 elif self.score == "pending" and windows:  # expected |pending sum|, noise included
@@ -197,15 +195,10 @@ class SimulatedScape:
                     score = (age * age * m * m + age * noise).sqrt_()
                 elif self.score == "age" and windows:  # round robin by waiting time, |m| breaking ties
                     score = age + m.abs() / (m.abs().max() + 1e-30)
-                elif self.score == "momentum_residual" and e is not None:
-                    score = (b1 * m + (1 - b1) * e[r, part]).abs_()
-                else:
-                    score = m.abs()
-                exclude = None
-                if scheduled is not None:
-                    idx = scheduled[slot.name]
-                    lo, hi = torch.searchsorted(idx, torch.tensor([slot.start, slot.start + slot.size]))
-                    exclude = idx[lo:hi] - slot.start
+                else:  # the core's scores
+                    score = mask_score(self.score, m, target=target, synced_at=synced,
+                                       residual=None if e is None else e[r, part], beta1=b1)
+                exclude = None if scheduled is None else scheduled_in(scheduled[slot.name], slot.start, slot.size)
                 parts[slot.name].append(select_topk(score, slot.k, exclude) + slot.start)
         self.masks[target] = {n: torch.cat(p) if p else torch.empty(0, dtype=torch.long) for n, p in parts.items()}
         self.counters.mask_bytes += layout.payload_bytes

@@ -52,6 +52,38 @@ def encoded_bytes(size: int, k: int) -> int:
     return INDEX_BYTES * k if mask_encoding(size, k) == "indices" else (size + 7) // 8
 
 
+def mask_score(kind: str, m: Tensor, *, target: int = 0, synced_at: Tensor | None = None,
+               residual: Tensor | None = None, beta1: float = 0.9) -> Tensor:
+    """A partition's selection score (non-negative; :func:`select_topk` picks the largest).
+
+    ``kind`` is a resolved ``ScapeConfig`` score: ``"age_momentum"`` scores ``|m| (n - 1)``,
+    ``n - 1 = target - synced_at`` (``synced_at``: the optimizer step, from 1, of each
+    coordinate's last sync; ``target``: the step the mask is for); ``"momentum_residual"``
+    scores ``|beta1 m + (1 - beta1) e_r|``; ``"momentum"``, or a score whose input is missing
+    (no window or residual yet), scores ``|m|``.
+
+    Example:
+        >>> mask_score("age_momentum", torch.tensor([1.0, -2.0]), target=5, synced_at=torch.tensor([4, 1]))
+        tensor([1., 8.])
+    """
+    if kind == "age_momentum" and synced_at is not None:
+        return m.abs().mul_(target - synced_at.float())
+    if kind == "momentum_residual" and residual is not None:
+        return (beta1 * m + (1 - beta1) * residual).abs_()
+    return m.abs()
+
+
+def scheduled_in(indices: Tensor, start: int, size: int) -> Tensor:
+    """The sorted ``indices`` that fall in the partition ``[start, start + size)``, relative to ``start``.
+
+    Example:
+        >>> scheduled_in(torch.tensor([1, 4, 6, 9]), 3, 5)
+        tensor([1, 3])
+    """
+    lo, hi = torch.searchsorted(indices, torch.tensor([start, start + size], device=indices.device))
+    return indices[lo:hi] - start
+
+
 SAMPLED_TOPK_MIN = 32_768  # below this, torch.topk is as fast as the sampled threshold
 
 

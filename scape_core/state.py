@@ -12,7 +12,7 @@ from torch import Tensor, nn
 
 from scape_core import inflight
 from scape_core.config import ScapeConfig
-from scape_core.masks import MaskLayout, select_topk
+from scape_core.masks import MaskLayout, mask_score, scheduled_in, select_topk
 
 STATE_FORMAT = 1
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_forward_module.")
@@ -243,19 +243,14 @@ class ScapeState:
             part = slice(slot.start, slot.start + slot.size)
             m = momenta.get(slot.name)
             m = torch.zeros(slot.size, device=p.device) if m is None else m.view(-1)[part].float()
-            if self.config.resolved_score == "age_momentum" and slot.name in synced_at:
-                # |m| (n - 1): synced_at holds the optimizer step count (from 1) of the last sync
-                score = m.abs().mul_(target - synced_at[slot.name].view(-1)[part].float())
-            elif self.config.resolved_score == "momentum_residual" and slot.name in self.residuals:
-                b1 = beta1.get(slot.name, 0.9)
-                score = (b1 * m + (1 - b1) * self.residuals[slot.name][part]).abs_()
-            else:
-                score = m.abs()
-            exclude = None
-            if scheduled is not None:  # its residual is about to be flushed: don't pick it twice
-                idx = scheduled[slot.name]
-                lo, hi = torch.searchsorted(idx, torch.tensor([slot.start, slot.start + slot.size]))
-                exclude = idx[lo:hi] - slot.start
+            synced = synced_at.get(slot.name)
+            residual = self.residuals.get(slot.name)
+            score = mask_score(self.config.resolved_score, m, target=target,
+                               synced_at=None if synced is None else synced.view(-1)[part],
+                               residual=None if residual is None else residual[part],
+                               beta1=beta1.get(slot.name, 0.9))
+            # the scheduled mask's residual is about to be flushed: don't pick it twice
+            exclude = None if scheduled is None else scheduled_in(scheduled[slot.name], slot.start, slot.size)
             picks[slot.name] = select_topk(score, slot.k, exclude)
         device = next(iter(self.params.values())).device
         payload = layout.encode(self.rank, picks, device=device)
