@@ -52,7 +52,8 @@ class ScapePlugin:
         config_file: a ``scape_config.yaml`` to read instead of the default one (must exist).
         log_every: optimizer steps between automatic ``accelerator.log`` calls; ``0`` turns it off.
         **settings: ``ScapeConfig`` fields (``sparsity``, ``warmup_steps``, ``mask_delay``,
-            ``mask_refresh``, ``error_feedback``, ``score``, ``update``): the highest precedence.
+            ``mask_refresh``, ``error_feedback``, ``score``, ``update``, ``ramp_steps``): the highest
+            precedence.
 
     Example:
         >>> accelerator = Accelerator(mixed_precision="bf16")     # doctest: +SKIP

@@ -87,7 +87,7 @@ class ScapeStrategyMixin:
 
     def teardown(self) -> None:
         if self.scape_state is not None:
-            self.scape_state.wait()  # no mask all-gather left in flight when the process group goes
+            self.scape_state.wait()  # no SCAPE collective left in flight when the process group goes
         super().teardown()
 
     def _check_hook_ran(self) -> None:

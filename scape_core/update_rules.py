@@ -10,8 +10,8 @@ convergence benchmark swaps rules by name through ``ScapeConfig(update=...)`` an
 ``docs/benchmarks.md`` ("Convergence and the masked update rule") has every rule's numbers.
 Measured so far (99%, 800 steps, 3 seeds, val loss vs dense AdamS): ``lazy`` +31%, ``linear``
 +17% (+9% with a sparsity ramp and the replicated ``|m| (n - 1)`` score); ``dense``,
-``catchup``, ``catchup_sqrt`` and ``predict`` lose to ``linear``. Dense steps (warm-up,
-``sparsity=0``) always run plain AdamS.
+``catchup``, ``catchup_sqrt``, ``predict`` and ``linear_per_step`` lose to ``linear``;
+``linear_noise`` equals it. Dense steps (warm-up, ``sparsity=0``) always run plain AdamS.
 """
 
 from __future__ import annotations
