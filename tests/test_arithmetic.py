@@ -1,0 +1,237 @@
+"""The core's arithmetic, one step at a time, against the contract's formulas (tests/reference.py).
+
+Two gloo ranks train a small model with the real hook and optimizer; each step records what it
+read (the state before, every rank's local gradient, the mask) and what it wrote (the state
+after), through ``tests/probe.py``. The test process then recomputes every step from the
+contract in float64 and compares: parameters, m, sq, windows and residuals after each step, and
+each mask against the top-k of the contract's score computed from the state it was selected on.
+Comparing step by step (not whole trajectories) keeps the tolerances tight: a rounding
+difference never grows into a different mask.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from scape_core import ScapeAdamS, ScapeConfig, ScapeState, scape_hook
+from tests import probe, reference
+from tests.dist import run_distributed
+
+BETAS, EPS, WD = (0.9, 0.95), 1e-8, 0.1
+CASES = {  # every sparse case runs at its named density (ramp_steps=0) unless it tests the ramp
+    "linear90": dict(config=dict(sparsity=0.9, warmup_steps=3, ramp_steps=0), steps=24, bucket_cap_mb=0.01),
+    "linear99_ramp": dict(config=dict(sparsity=0.99, warmup_steps=2, ramp_steps=9), steps=20),
+    "lazy80_delay0_refresh2": dict(config=dict(sparsity=0.8, warmup_steps=2, ramp_steps=0, update="lazy",
+                                               mask_delay=0, mask_refresh=2), steps=14, bucket_cap_mb=0.01),
+    "dense": dict(config=dict(sparsity=0.0), steps=10),
+    # rank 1's loss is non-finite at a dense step (1) and at a sparse step (6): both steps are skipped
+    "skips": dict(config=dict(sparsity=0.9, warmup_steps=3, ramp_steps=0), steps=10, nonfinite_at=(1, 6)),
+    "bf16": dict(config=dict(sparsity=0.9, warmup_steps=2, ramp_steps=0), steps=12, dtype=torch.bfloat16),
+}
+
+
+def make_model(dtype: torch.dtype = torch.float32) -> nn.Module:
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 4))
+    return net.to(dtype)
+
+
+def batch(step: int, rank: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(8, 16, generator=g).to(dtype), torch.randn(8, 4, generator=g).to(dtype)
+
+
+def lr_at(step: int) -> float:
+    return 1e-2 * (1 - step / 40)  # changes every step: the core must read the group's lr each step
+
+
+def recording_hook(local: dict, names: dict):
+    """``scape_hook``, after copying this rank's local gradients (what the hook receives)."""
+
+    def hook(state, bucket):
+        for p, g in zip(bucket.parameters(), bucket.gradients()):
+            local[names[id(p)]] = g.detach().reshape(-1).double().clone()
+        return scape_hook(state, bucket)
+
+    return hook
+
+
+def _record(rank: int, world: int, cases: dict) -> dict:
+    out = {}
+    for case, spec in cases.items():
+        dtype = spec.get("dtype", torch.float32)
+        model = make_model(dtype)
+        ddp = DDP(model, bucket_cap_mb=spec.get("bucket_cap_mb", 25))
+        state = ScapeState(ddp, config=ScapeConfig(**spec["config"]))
+        local: dict = {}
+        ddp.register_comm_hook(state, recording_hook(local, {id(p): n for n, p in state.params.items()}))
+        opt = ScapeAdamS(ddp.parameters(), state, lr=lr_at(0), betas=BETAS, eps=EPS, weight_decay=WD)
+        records = []
+        for t in range(spec["steps"]):
+            for group in opt.param_groups:
+                group["lr"] = lr_at(t)
+            before = probe.snapshot(state, opt)
+            x, y = batch(t, rank, dtype)
+            loss = (ddp(x) - y).float().pow(2).mean()
+            if rank == 1 and t in spec.get("nonfinite_at", ()):
+                loss = loss * float("inf")
+            loss.backward()
+            used = probe.mask(state, t)
+            groups = None if used is None else probe.selection_groups(state, t)
+            synced = {n: p.grad.detach().reshape(-1).double().clone() for n, p in state.params.items()}
+            opt.step()
+            opt.zero_grad()
+            records.append(dict(before=before, grads=dict(local), mask=used, groups=groups, lr=lr_at(t),
+                                synced=synced, after=probe.snapshot(state, opt)))
+        out[case] = dict(records=records, skipped=state.stats()["skipped_steps"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs() -> list[dict]:
+    return run_distributed(_record, CASES)
+
+
+def steps_of(runs: list[dict], case: str) -> list[list[dict]]:
+    """Per step, every rank's record."""
+    return [list(recs) for recs in zip(*[r[case]["records"] for r in runs])]
+
+
+def close(got: torch.Tensor, want: torch.Tensor, what: str, rtol: float = 1e-5, atol: float = 1e-6) -> None:
+    torch.testing.assert_close(got, want.to(got.dtype), rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
+
+
+@pytest.mark.parametrize("case", ["linear90", "linear99_ramp", "lazy80_delay0_refresh2", "dense"])
+def test_every_step_follows_the_contract(runs, case):
+    cfg = ScapeConfig(**CASES[case]["config"])
+    checked = {"dense": 0, "sparse": 0}
+    for t, recs in enumerate(steps_of(runs, case)):
+        mask = recs[0]["mask"]
+        assert all(_same_mask(r["mask"], mask) for r in recs), f"step {t}: ranks used different masks"
+        want = reference.step([r["before"] for r in recs], [r["grads"] for r in recs], mask, rule=cfg.update,
+                              lr=recs[0]["lr"], beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=WD)
+        for rank, (rec, exp) in enumerate(zip(recs, want)):
+            got = rec["after"]
+            for name in exp["param"]:
+                where = f"{case} step {t} rank {rank} {name}"
+                close(got["param"][name], exp["param"][name], f"{where} parameter")
+                close(got["m"][name], exp["m"][name], f"{where} m")
+                close(got["residual"][name], exp["residual"][name], f"{where} residual")
+                if mask is not None and cfg.update == "linear":
+                    close(got["sq"][name], exp["sq"][name], f"{where} sq")
+                    assert torch.equal(got["last_sync"][name], exp["last_sync"][name]), f"{where} window"
+        checked["dense" if mask is None else "sparse"] += 1
+    if cfg.dense:
+        assert checked == {"dense": CASES[case]["steps"], "sparse": 0}
+    else:
+        assert checked["dense"] == cfg.warmup_steps and checked["sparse"] >= 8
+
+
+@pytest.mark.parametrize("case", ["linear90", "linear99_ramp", "lazy80_delay0_refresh2"])
+def test_masks_are_the_top_k_of_the_contract_score(runs, case):
+    cfg = ScapeConfig(**CASES[case]["config"])
+    steps = steps_of(runs, case)
+    checked = 0
+    for target, recs in enumerate(steps):
+        mask = recs[0]["mask"]
+        source = target - 1 - cfg.mask_delay  # the step whose end selected this mask
+        if mask is None or source < 0:
+            continue
+        if (target - cfg.warmup_steps) % cfg.mask_refresh:  # not a refresh step: the last mask again
+            assert _same_mask(mask, steps[target - 1][0]["mask"]), f"step {target}: mask not reused"
+            continue
+        density = reference.density_at(target, sparsity=cfg.sparsity, warmup_steps=cfg.warmup_steps,
+                                       ramp_steps=cfg.ramp_steps)
+        scheduled = steps[target - 1][0]["mask"] if cfg.mask_delay else None  # already flushing: last choice
+        for group in recs[0]["groups"]:
+            state = steps[source][group.rank or 0]["after"]
+            part = slice(group.start, group.start + group.size)
+            m = state["m"][group.name][part]
+            if cfg.resolved_score == "age_momentum":
+                last = state["last_sync"].get(group.name)
+                last = torch.full_like(m, source, dtype=torch.int64) if last is None else last[part]
+                score = reference.age_momentum_score(m, last, target)
+            else:
+                score = reference.momentum_residual_score(m, state["residual"][group.name][part], BETAS[0])
+            picked = _inside(mask[group.name], group.start, group.size)
+            excluded = None if scheduled is None else _inside(scheduled[group.name], group.start, group.size)
+            k = reference.topk_count(group.size, density)
+            violation = reference.topk_violation(score, picked, k, excluded)
+            assert violation <= 1e-5, (f"{case}: mask of step {target}, {group}: not the top {k} of the "
+                                       f"contract's score (violation {violation})")
+        checked += 1
+    assert checked >= 5
+
+
+def test_ramp_densities_follow_the_contract(runs):
+    cfg = ScapeConfig(**CASES["linear99_ramp"]["config"])
+    seen = []
+    for t, recs in enumerate(steps_of(runs, "linear99_ramp")):
+        if recs[0]["mask"] is not None:
+            numel = sum(g.size for g in recs[0]["groups"])
+            want = sum(reference.topk_count(g.size, reference.density_at(
+                t, sparsity=cfg.sparsity, warmup_steps=cfg.warmup_steps, ramp_steps=cfg.ramp_steps))
+                for g in recs[0]["groups"])
+            assert sum(i.numel() for i in recs[0]["mask"].values()) == want, f"step {t}"
+            seen.append(round(want / numel, 3))
+    assert seen[:3] == [seen[0]] * 3 and seen[0] > seen[3] > seen[6] > seen[9]  # 25%, 6.25%, 1.6%, then 1%
+
+
+def test_skipped_steps_change_nothing_and_lose_nothing(runs):
+    steps = steps_of(runs, "skips")
+    skip = CASES["skips"]["nonfinite_at"]
+    for t in skip:  # every rank: the state after a skipped step is the state before it
+        for rank, rec in enumerate(steps[t]):
+            b, a = rec["before"], rec["after"]
+            for name in b["param"]:
+                where = f"skipped step {t} rank {rank} {name}"
+                assert torch.equal(a["param"][name], b["param"][name]), f"{where}: parameter moved"
+                assert torch.equal(a["m"][name], b["m"][name]), f"{where}: m moved"
+                for key in ("sq", "last_sync"):
+                    if name in b[key]:
+                        assert torch.equal(a[key][name], b[key][name]), f"{where}: {key} moved"
+                close(a["residual"][name], b["residual"][name], f"{where}: residual (this step's gradient "
+                      "must be dropped, the sent values restored)")
+    assert all(r["skips"]["skipped"] == len(skip) for r in runs)
+    # conservation over the run: applied + mean residual = sum of the mean gradients of the applied steps
+    names = steps[0][0]["before"]["param"]
+    for name in names:
+        applied = sum(recs[0]["synced"][name] for t, recs in enumerate(steps) if t not in skip)
+        grads = sum(sum(r["grads"][name] for r in recs) / len(recs) for t, recs in enumerate(steps) if t not in skip)
+        residual = sum(r["after"]["residual"][name] for r in steps[-1]) / len(steps[-1])
+        close(applied + residual, grads, f"conservation of {name}", rtol=1e-5, atol=1e-5)
+    assert any(r["after"]["residual"][n].abs().sum() > 0 for r in steps[-1] for n in names)  # really held back
+
+
+def test_bf16_parameters_follow_the_contract_to_bf16_rounding(runs):
+    steps = steps_of(runs, "bf16")
+    for t, recs in enumerate(steps):
+        mask = recs[0]["mask"]
+        assert all(torch.equal(a, b) for a, b in zip(recs[0]["after"]["param"].values(),
+                                                     recs[1]["after"]["param"].values())), f"step {t}: replicas"
+        want = reference.step([r["before"] for r in recs], [r["grads"] for r in recs], mask, rule="linear",
+                              lr=recs[0]["lr"], beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=WD,
+                              wire=torch.bfloat16)
+        for rank, (rec, exp) in enumerate(zip(recs, want)):
+            for name in exp["param"]:
+                where = f"bf16 step {t} rank {rank} {name}"
+                # stored in bf16 (8-bit mantissa), rounded after the decay and after the update: within
+                # 2 ulps of the larger of theta before and after (a step across zero keeps the first's ulp)
+                got, ref, was = rec["after"]["param"][name], exp["param"][name], rec["before"]["param"][name]
+                err = ((got - ref).abs() - 2 ** -7 * torch.maximum(was.abs(), ref.abs())).max()
+                assert err <= 1e-7, f"{where} parameter: off by more than 2 bf16 ulps ({err})"
+                close(rec["after"]["m"][name], exp["m"][name], f"{where} m", rtol=1e-4, atol=1e-6)
+                close(rec["after"]["residual"][name], exp["residual"][name], f"{where} residual", rtol=1e-4, atol=1e-6)
+
+
+def _inside(indices: torch.Tensor, start: int, size: int) -> torch.Tensor:
+    return indices[(indices >= start) & (indices < start + size)] - start
+
+
+def _same_mask(a: dict | None, b: dict | None) -> bool:
+    if a is None or b is None:
+        return a is b
+    return a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
