@@ -27,9 +27,10 @@ def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     return (model(x) - y).pow(2).mean()
 
 
-def scape_setup(model, sparsity, warmup=3, ddp_kwargs=None, **cfg):
+def scape_setup(model, sparsity, warmup=3, ddp_kwargs=None, ramp_steps=0, **cfg):
+    """DDP + SCAPE at ``sparsity`` from the first step after ``warmup`` (no ramp unless asked for)."""
     ddp = DDP(model, **(ddp_kwargs or {}))
-    state = ScapeState(ddp, sparsity=sparsity, warmup_steps=warmup, **cfg)
+    state = ScapeState(ddp, sparsity=sparsity, warmup_steps=warmup, ramp_steps=ramp_steps, **cfg)
     ddp.register_comm_hook(state, scape_hook)
     opt = ScapeAdamS(ddp.parameters(), state, lr=1e-2, weight_decay=0.1)
     return ddp, state, opt
@@ -78,7 +79,7 @@ def _variants(rank, world, sparsity):
     out = {}
     for name, kw in VARIANTS.items():
         model = make_model()
-        ddp, state, opt = scape_setup(model, sparsity, warmup=5, ddp_kwargs=kw, ramp_steps=0)
+        ddp, state, opt = scape_setup(model, sparsity, warmup=5, ddp_kwargs=kw)
         train(ddp, opt, rank, 5)
         before = state.stats()
         train(ddp, opt, rank, 45, start=5)
@@ -322,7 +323,7 @@ def _collectives(rank, world):
     hook_module.dist.all_reduce, state_module.dist.all_gather = counting_reduce, counting_gather
     try:
         model = make_model()
-        ddp, state, opt = scape_setup(model, 0.99, warmup=3, ddp_kwargs={"bucket_cap_mb": 0.01}, ramp_steps=0)
+        ddp, state, opt = scape_setup(model, 0.99, warmup=3, ddp_kwargs={"bucket_cap_mb": 0.01})
         train(ddp, opt, rank, 3)
         calls["all_reduce"].clear()
         train(ddp, opt, rank, 10, start=3)
@@ -357,7 +358,7 @@ def test_one_compact_all_reduce_per_bucket_and_one_mask_gather_per_step():
 def _fp16_large_gradients(rank, world):
     torch.manual_seed(0)
     model = nn.Linear(1000, 100, bias=False).half()
-    ddp, state, opt = scape_setup(model, 0.9, warmup=1, ramp_steps=0)
+    ddp, state, opt = scape_setup(model, 0.9, warmup=1)
     for step in range(4):
         model.weight.grad = None
         (ddp(torch.ones(1, 1000, dtype=torch.float16)).float().sum() * 2.0).backward()  # grads: 2.0 each

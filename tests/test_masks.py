@@ -21,11 +21,11 @@ def test_partitions_tile_the_parameter(numel, world):
 
 
 @given(st.integers(0, 500), densities)
-def test_topk_count_bounds(size, density):
+def test_topk_count_is_the_rounded_up_share(size, density):
     k = topk_count(size, density)
     assert 0 <= k <= size
-    if size:
-        assert k >= 1 and k >= density * size - 1e-6
+    if size:  # ceil(density * size): at least the share, less than one coordinate more
+        assert density * size - 1e-6 <= k < density * size + 1 and k >= 1
 
 
 @settings(max_examples=60, deadline=None)

@@ -11,12 +11,14 @@ from tests.dist import run_distributed
 
 STEPS = 20
 LR, WD = 1e-2, 0.1
-CONFIGS = {
-    "default": dict(sparsity=0.9, warmup_steps=3),
-    "delay0_momentum_refresh2": dict(sparsity=0.9, warmup_steps=3, mask_delay=0, score="momentum", mask_refresh=2),
-    "no_warmup": dict(sparsity=0.9, warmup_steps=0),
-    "linear": dict(sparsity=0.99, warmup_steps=3, update="linear"),
-    "catchup": dict(sparsity=0.9, warmup_steps=3, update="catchup"),
+CONFIGS = {  # ramp_steps=0 runs at the named sparsity; "ramp" tests the ramp (6-step stages)
+    "default": dict(sparsity=0.9, warmup_steps=3, ramp_steps=0),
+    "ramp": dict(sparsity=0.99, warmup_steps=3, ramp_steps=18),
+    "delay0_momentum_refresh2": dict(sparsity=0.9, warmup_steps=3, mask_delay=0, score="momentum", mask_refresh=2,
+                                     ramp_steps=0),
+    "no_warmup": dict(sparsity=0.9, warmup_steps=0, ramp_steps=0),
+    "linear": dict(sparsity=0.99, warmup_steps=3, update="linear", ramp_steps=0),
+    "catchup": dict(sparsity=0.9, warmup_steps=3, update="catchup", ramp_steps=0),
 }
 
 
