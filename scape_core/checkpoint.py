@@ -20,7 +20,12 @@ def save_checkpoint(path: str | os.PathLike, state: ScapeState, **objects: Any) 
     leaves a truncated checkpoint under ``path``.
 
     Example:
-        >>> save_checkpoint("ckpt.pt", state, model=ddp.module, optimizer=opt, step=step)  # doctest: +SKIP
+        >>> import tempfile, os
+        >>> state = ScapeState(ddp, sparsity=0.9)
+        >>> path = os.path.join(tempfile.mkdtemp(), "ckpt.pt")
+        >>> save_checkpoint(path, state, model=ddp.module, step=0)     # every rank calls it
+        >>> sorted(load_checkpoint(path, state, model=ddp.module))
+        ['model', 'scape', 'step']
     """
     full = gather_state_dict(state)
     if dist.get_rank(state.process_group) == 0:

@@ -64,8 +64,10 @@ def to_scape_adams(optimizer: Optimizer, state: ScapeState) -> ScapeAdamS:
     A ``ScapeAdamS`` already bound to ``state`` is returned as is.
 
     Example:
-        >>> opt = torch.optim.AdamW(ddp.parameters(), lr=3e-4, weight_decay=0.1)   # doctest: +SKIP
-        >>> opt = to_scape_adams(opt, state)
+        >>> state = ScapeState(ddp, sparsity=0.9)
+        >>> opt = to_scape_adams(torch.optim.AdamW(ddp.parameters(), lr=3e-4, weight_decay=0.1), state)
+        >>> type(opt).__name__, opt.param_groups[0]["weight_decay"]
+        ('ScapeAdamS', 0.1)
     """
     if isinstance(optimizer, ScapeAdamS):
         if optimizer.scape is not state:
@@ -82,7 +84,12 @@ def rebind_schedulers(schedulers: Iterable[Any], old: Optimizer, new: Optimizer)
     """Point every scheduler (and the children of SequentialLR / ChainedScheduler) at ``new``.
 
     Example:
-        >>> new = to_scape_adams(old, state); rebind_schedulers([scheduler], old, new)   # doctest: +SKIP
+        >>> old = torch.optim.AdamW(ddp.parameters(), lr=1e-3)
+        >>> scheduler = torch.optim.lr_scheduler.StepLR(old, step_size=1, gamma=0.5)
+        >>> new = to_scape_adams(old, ScapeState(ddp, sparsity=0.9))
+        >>> rebind_schedulers([scheduler], old, new)
+        >>> scheduler.optimizer is new
+        True
     """
     if new is old:
         return

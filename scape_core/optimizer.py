@@ -29,7 +29,8 @@ class ScapeAdamS(AdamS):
     After the update it scores and selects the next mask (``state.end_step``).
 
     Example:
-        >>> state = ScapeState(ddp, sparsity=0.99)            # doctest: +SKIP
+        >>> from scape_core import scape_hook
+        >>> state = ScapeState(ddp, sparsity=0.99)
         >>> ddp.register_comm_hook(state, scape_hook)
         >>> opt = ScapeAdamS(ddp.parameters(), state, lr=3e-4, weight_decay=0.1)
     """

@@ -355,8 +355,10 @@ def gather_state_dict(state: ScapeState) -> dict[str, Any]:
     rank takes its own residual back (or the mean, at another world size).
 
     Example:
-        >>> full = gather_state_dict(state)          # doctest: +SKIP
-        >>> if dist.get_rank() == 0: torch.save({"scape": full, ...}, path)
+        >>> state = ScapeState(ddp, sparsity=0.9)
+        >>> full = gather_state_dict(state)       # collective: every rank calls it
+        >>> len(full["residuals"]) == dist.get_world_size()     # rank 0 then saves it
+        True
     """
     own = state.state_dict()
     names = sorted(own["residual"])
