@@ -30,6 +30,7 @@ QUESTIONS = {
     "score": f"Mask score, one of {', '.join(SCORES)}",
     "update": "Masked update rule, one of {rules}",
     "ramp_steps": "Steps after the warm-up with denser masks (25%, 6.25%, 1.6% density), 0 for none",
+    "chunk_size": "Coordinates per mask row: each row sends the same share, picked by one top-k (16 to 32768)",
 }
 
 

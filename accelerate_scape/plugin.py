@@ -159,9 +159,10 @@ class ScapePlugin:
     def _after_step(self, optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
         if self.state is None:
             return
-        skipped = self.state.counters["skipped_steps"] > self._skipped
-        self._skipped = self.state.counters["skipped_steps"]
-        # Accelerate reads this for optimizer_step_was_skipped and to hold the LR scheduler back.
+        # Accelerate reads this for optimizer_step_was_skipped and to hold the LR scheduler back; the
+        # verdict is on the device: one host read per step (as torch's GradScaler does)
+        skipped = self.state.skipped_steps > self._skipped
+        self._skipped = self.state.skipped_steps
         self._prepared_optimizer._is_overflow = skipped
         if self.log_every and self.accelerator.trackers and self.state.step % self.log_every == 0:
             self.log()
@@ -184,7 +185,7 @@ class ScapePlugin:
                           "fresh, with its dense warm-up", stacklevel=2)
             return
         self.state.load_state_dict(state)
-        self._skipped = self.state.counters["skipped_steps"]
+        self._skipped = self.state.skipped_steps
 
 
 def _groups_of(optimizer: torch.optim.Optimizer) -> tuple[list[dict[str, Any]], dict[str, Any]]:

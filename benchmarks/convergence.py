@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 from benchmarks.bench_common import Block  # noqa: E402
 from benchmarks.bench_common import shakespeare as bench_shakespeare  # noqa: E402
-from benchmarks.simulator import SimulatedScape, SimulatedTopK, rank_gradients  # noqa: E402
+from benchmarks.simulator import PROTOTYPE_SCORES, SimulatedScape, SimulatedTopK, rank_gradients  # noqa: E402
 from scape_core import AdamS, ScapeConfig  # noqa: E402
 
 METHODS: dict[str, dict] = {
@@ -50,7 +50,6 @@ METHODS: dict[str, dict] = {
     "topk90_eqbytes": dict(kind="topk", density=0.016),
     "topk99_eqbytes": dict(kind="topk", density=0.00125),
 }
-PROTOTYPE_KEYS = ("send", "ramp", "score")  # simulator-only switches (score="residual" included)
 
 
 # ----- data and model ------------------------------------------------------------------
@@ -117,17 +116,6 @@ def parse_method(spec: str) -> dict:
     return cfg
 
 
-def ramp_schedule(warmup: int, ramp: int, density: float):
-    """DGC's warm-up of sparsity: 75%, 93.75%, 98.4% for ``ramp / 3`` steps each, then the target."""
-    stages = [d for d in (0.25, 0.0625, 0.015625) if d > density]
-
-    def density_at(step: int) -> float:
-        i = (step - warmup) * 3 // max(ramp, 1)
-        return stages[i] if 0 <= i < len(stages) else density
-
-    return density_at
-
-
 def build(cfg: dict, model: nn.Module, args: argparse.Namespace):
     hp = dict(lr=args.lr, betas=(0.9, 0.95), eps=1e-8, weight_decay=args.weight_decay)
     warmup = int(cfg.get("warmup", args.scape_warmup))
@@ -138,16 +126,14 @@ def build(cfg: dict, model: nn.Module, args: argparse.Namespace):
     if cfg["kind"] == "topk":
         return SimulatedTopK(model, args.world_size, float(cfg["density"]), warmup, **hp)
     # scapeXX is the contract's reading (lazy rule, residual score, no ramp) whatever the library defaults
-    fields = dict(update="lazy", score="momentum_residual", ramp_steps=0)
-    fields.update({k: cfg[k] for k in ("sparsity", "mask_delay", "mask_refresh", "update", "error_feedback") if k in cfg})
-    if cfg.get("score") in ("momentum_residual", "momentum"):
+    fields = dict(update="lazy", score="momentum_residual", ramp_steps=int(cfg.get("ramp", 0)))
+    fields.update({k: cfg[k] for k in ("sparsity", "mask_delay", "mask_refresh", "update", "error_feedback",
+                                       "chunk_size") if k in cfg})
+    if cfg.get("score") in ("momentum_residual", "momentum", "age_momentum"):
         fields["score"] = cfg["score"]
     config = ScapeConfig(warmup_steps=warmup, **fields)
-    ramp = int(cfg.get("ramp", 0))
-    density_at = ramp_schedule(warmup, ramp, config.density) if ramp else None
-    score = cfg.get("score") if cfg.get("score") in ("residual", "age_momentum", "age", "gain", "pending") else None
-    return SimulatedScape(model, args.world_size, config, send=cfg.get("send", "gradient"), score=score,
-                          density_at=density_at, **hp)
+    score = cfg.get("score") if cfg.get("score") in PROTOTYPE_SCORES else None
+    return SimulatedScape(model, args.world_size, config, send=cfg.get("send", "gradient"), score=score, **hp)
 
 
 def lr_at(step: int, steps: int, peak: float) -> float:
@@ -216,8 +202,8 @@ def run(spec: str, seed: int, steps: int, args: argparse.Namespace) -> dict:
         if isinstance(opt, SimulatedTopK) and opt.union_fraction:
             result["union_fraction"] = sum(opt.union_fraction) / len(opt.union_fraction)
         if isinstance(opt, SimulatedScape) and not opt.config.dense:
-            counts = torch.cat([c.float() for c in opt.sync_counts.values()])
-            result["never_synced"] = (counts == 0).float().mean().item()
+            counts = opt.sync_counts[opt.real].float()
+            result["never_synced"] = opt.never_synced()
             result["syncs_per_coordinate_p99"] = counts.quantile(0.99).item() if counts.numel() < 2**24 else None
     return result
 

@@ -1,23 +1,24 @@
 """Data-parallel training in one process: W virtual ranks with SCAPE's exact arithmetic.
 
-:class:`SimulatedScape` mirrors ``scape_core`` step for step, with every rank's tensors stacked
-along a leading rank axis instead of spread over processes:
+:class:`SimulatedScape` mirrors ``scape_core`` step for step on the core's own pieces (the flat
+layout, the mask schedule, the selection and the update rules), with every rank's residual
+stacked along a leading rank axis instead of spread over processes:
 
 - the hook (``scape_core/hook.py``): ``a_r = g_r + e_r``; dense steps all-reduce ``g_r / W``;
   sparse steps all-reduce ``a_r[M] / W`` and keep ``e_r = a_r`` with the mask zeroed;
-- the optimizer (``ScapeAdamS``): dense AdamS (foreach path) on dense steps, the configured
-  update rule from ``scape_core.update_rules`` on sparse ones;
-- the schedule (``ScapeState.end_step``): warm-up, ``mask_delay`` with exclusion of the mask
-  already scheduled, ``mask_refresh``, the residual-aware or momentum score, partitioned top-k
-  with ``scape_core.masks`` (rank ``r`` scores partition ``r`` from its own residual).
+- the optimizer (``ScapeAdamS``): dense AdamS on dense steps; on sparse ones the rule on the
+  mask's entries, decoupled weight decay everywhere;
+- the schedule (``ScapeState``): warm-up, ramp, ``mask_delay`` with the scheduled mask
+  excluded, ``mask_refresh``; a replicated score selects the whole mask, a score that reads the
+  residual selects rank r's partition of rows from rank r's residual.
 
 Bytes are counted as the core counts them, per rank and step: the values handed to the
-all-reduce plus each mask selection's all-gather payload. ``tests/test_simulator.py`` checks the
-parameters against the real 2-process hook.
+all-reduce plus each partitioned selection's all-gather payload. ``tests/test_simulator.py``
+checks parameters and bytes against the real 2-process hook.
 
-Prototype switches that the core does not have (yet) are marked as such: ``send="momentum"``
-(DGC-style momentum correction), ``score="residual"`` and a ``density_at`` schedule (sparsity
-ramp). :class:`SimulatedTopK` is the raw top-k + error feedback + AdamW baseline.
+Prototype switches the core does not have are marked as such: ``send="momentum"`` (DGC-style
+momentum correction) and the scores ``residual``, ``age``, ``gain``, ``pending``.
+:class:`SimulatedTopK` is the raw top-k + error feedback + AdamW baseline.
 
 Example:
     >>> model = torch.nn.Linear(8, 2)
@@ -33,32 +34,16 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
-from scape_core.adams import MOMENTUM, adams_foreach
+from benchmarks import candidate_rules  # noqa: F401  (registers the candidate rules)
+from scape_core.adams import adams_foreach
 from scape_core.config import ScapeConfig
-from scape_core.masks import INDEX_BYTES, MaskLayout, mask_score, scheduled_in, select_topk, topk_count
-from scape_core.update_rules import UPDATE_RULES, LinearUpdate, register_update_rule
-
-
-class LinearKeepD(LinearUpdate):
-    """``linear`` that also keeps each coordinate's last ``d`` (prototype: the ``gain`` score reads it)."""
-
-    def window_step(self, state, grad, mask, **hp):  # type: ignore[no-untyped-def]
-        s, d, m = super().window_step(state, grad, mask, **hp)
-        if "d" not in state:
-            state["d"] = torch.zeros_like(state[MOMENTUM])
-        state["d"].view(-1).index_copy_(0, mask, d)
-        return s, d, m
-
-
-register_update_rule(LinearKeepD("linear_keep_d"))
-
-
-def _last_d(state: dict, part: slice, m: Tensor) -> Tensor:
-    """The ``d`` of each coordinate's last sync (rule ``linear_keep_d``), ``|m|`` where there is none."""
-    d = state["d"].view(-1)[part] if "d" in state else torch.zeros_like(m)
-    return torch.where(d > 0, d, m.abs())
+from scape_core.layout import FlatLayout, topk_count
+from scape_core.masks import Mask, age_momentum_score, momentum_residual_score, select, strided
+from scape_core.update_rules import UPDATE_RULES
 
 VALUE_BYTES = 4  # fp32 gradients
+INDEX_BYTES = 4  # the top-k baseline sends int32 indices
+PROTOTYPE_SCORES = ("residual", "age", "gain", "pending")
 
 
 class Counters:
@@ -84,20 +69,16 @@ class SimulatedScape:
     Args:
         model: the model whose parameters are trained (shared by all virtual ranks).
         world_size: number of virtual ranks W.
-        config: the :class:`ScapeConfig` (``config.update`` names the rule).
+        config: the :class:`ScapeConfig` (``config.update`` names the rule, ``config.ramp_steps`` the ramp).
         lr, betas, eps, weight_decay: AdamS hyperparameters; ``lr`` can change per step.
         send: ``"gradient"`` (the core) or ``"momentum"`` (prototype: each rank keeps a local
             momentum ``u_r = beta1 u_r + (1 - beta1) g_r``, accumulates it in the residual,
             sends it, and clears the sent coordinates of ``u_r``, as DGC's momentum correction).
-        score: overrides ``config.score``; prototypes: ``"residual"`` scores ``|e_r|`` alone,
-            ``"age_momentum"`` scores ``|m| * (n - 1)``, ``n`` the window the coordinate will have at
-            the step the mask is for: the expected size of its pending sum, from replicated values
-            only (needs a rule that tracks windows: ``linear``, ``catchup``, ``predict``);
+        score: overrides ``config.score``; prototypes: ``"residual"`` scores ``|e_r|`` alone;
             ``"age"`` scores ``n - 1`` alone (round robin by waiting time, ``|m|`` breaking ties);
             ``"gain"`` scores ``(n - 1) m^2 / d`` (needs ``update="linear_keep_d"``), the
             first-order loss decrease of applying the pending sum; ``"pending"`` scores
             ``sqrt((n - 1)^2 m^2 + (n - 1) sigma^2)`` (same rule), its expected size noise included.
-        density_at: prototype sparsity ramp: ``step -> density`` for the mask used at ``step``.
     """
 
     def __init__(
@@ -112,97 +93,100 @@ class SimulatedScape:
         weight_decay: float = 0.0,
         send: str = "gradient",
         score: str | None = None,
-        density_at: Callable[[int], float] | None = None,
     ) -> None:
         if send not in ("gradient", "momentum"):
             raise ValueError(f"send must be 'gradient' or 'momentum', got {send!r}")
         self.params = {n: p for n, p in model.named_parameters() if p.requires_grad}
         self.world_size = world_size
         self.config = config
+        self.schedule = config.schedule
         self.hp = dict(lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=weight_decay)
         self.send = send
         self.score = score or config.resolved_score
-        if density_at is None and getattr(config, "ramp_steps", 0):  # a core with the ramp
-            density_at = config.density_at
-        self.density_at = density_at
         self.rule = UPDATE_RULES[config.update]
-        self.numels = {n: p.numel() for n, p in self.params.items()}
-        self.numel = sum(self.numels.values())
-        self._layouts: dict[float, MaskLayout] = {}
-        self.opt_state: dict[str, dict] = {}  # name -> {"step", "exp_avg", rule extras}
-        self.residuals: dict[str, Tensor] = {}  # name -> (W, numel)
-        self.local_momentum: dict[str, Tensor] = {}  # send="momentum" only
-        self.masks: dict[int, dict[str, Tensor]] = {}
+        self.layout = FlatLayout(self.params, config.chunk_size)
+        self.numel = sum(self.layout.numel.values())
+        self.m = self.layout.zeros()
+        self.stats = {k: self.layout.zeros() for k in self.rule.statistics}
+        self.residual: Tensor | None = None  # (W, rows * chunk)
+        self.local_momentum: Tensor | None = None  # send="momentum" only
+        self.windows: Tensor | None = None  # (rows, chunk) int32, the step each coordinate was last exchanged
+        self.masks: dict[int, Mask] = {}
         self.t = 0
         self.counters = Counters()
-        self.sync_counts = {n: torch.zeros(k, dtype=torch.int32) for n, k in self.numels.items()}  # diagnostics
+        self.sync_counts = torch.zeros(self.layout.rows * self.layout.chunk, dtype=torch.int32)  # diagnostics
+        self.real = self.layout.zeros(torch.bool)
+        for name in self.params:
+            self.layout.view(self.real, name).fill_(True)
+        self.real = self.real.view(-1)
+
+    def _flat(self, per_name: dict[str, Tensor], lead: tuple[int, ...] = ()) -> Tensor:
+        out = torch.zeros(*lead, self.layout.rows * self.layout.chunk)
+        for name, value in per_name.items():
+            start = self.layout.first_row[name] * self.layout.chunk
+            out[..., start:start + self.layout.numel[name]] = value.reshape(*lead, -1)
+        return out
 
     # ----- schedule (ScapeState) ----------------------------------------------------------
-    def layout(self, step: int) -> MaskLayout:
-        density = self.config.density if self.density_at is None else float(self.density_at(step))
-        if density not in self._layouts:
-            self._layouts[density] = MaskLayout(self.numels, self.world_size, density)
-        return self._layouts[density]
-
-    def is_dense(self, step: int) -> bool:
-        return self.config.dense or step < self.config.warmup_steps
-
-    def current_mask(self) -> dict[str, Tensor]:
+    def current_mask(self) -> Mask:
         if self.t not in self.masks:
-            if self.t - 1 - self.config.mask_delay >= 0:
+            if self.t >= self.schedule.first_selected():
                 raise RuntimeError(f"no mask scheduled for step {self.t}")
-            self.masks[self.t] = self.layout(self.t).strided()
+            self.masks[self.t] = strided(self.layout, self.layout.mask_shape(self.schedule.density_at(self.t)))
         return self.masks[self.t]
 
     def _end_step(self) -> None:
         done, self.t = self.t, self.t + 1
         self.counters.steps += 1
-        if self.config.dense:
+        if self.schedule.dense:
             return
-        target = done + 1 + self.config.mask_delay
-        if not self.is_dense(target):
-            if (target - self.config.warmup_steps) % self.config.mask_refresh == 0:
-                self._select(target)
-            else:
-                self.masks[target] = self.masks[target - 1]
+        target = self.schedule.target_after(done)
+        if self.schedule.selects(target):
+            self._select(target)
+        elif not self.schedule.is_dense(target):
+            self.masks[target] = self.masks.get(target - 1) or strided(
+                self.layout, self.layout.mask_shape(self.schedule.density_at(target)))
         self.masks = {s: m for s, m in self.masks.items() if s >= self.t}
 
     def _select(self, target: int) -> None:
-        """Every rank scores its partition from its own residual; the full mask is their union."""
-        layout = self.layout(target)
+        layout = self.layout
+        shape = layout.mask_shape(self.schedule.density_at(target))
         scheduled = self.masks.get(target - 1) if self.config.mask_delay else None
-        b1 = self.hp["beta1"]
-        parts: dict[str, list[Tensor]] = {n: [] for n in self.params}
-        for r in range(self.world_size):
-            for slot in layout.partition(r):
-                if not slot.k:
-                    continue
-                part = slice(slot.start, slot.start + slot.size)
-                state = self.opt_state.get(slot.name)
-                m = torch.zeros(slot.size) if state is None else state[MOMENTUM].view(-1)[part].float()
-                e = self.residuals.get(slot.name)
-                windows = state is not None and "synced_at" in state
-                synced = state["synced_at"].view(-1)[part] if windows else None
-                age = target - synced.float() if windows else None  # n - 1 at the step the mask is for
+        if self.score in ("momentum_residual", "residual"):  # per rank: rank r scores its partition of rows
+            parts = []
+            for r in range(self.world_size):
+                rows = slice(layout.rows * r // self.world_size, layout.rows * (r + 1) // self.world_size)
+                e = None if self.residual is None else self.residual[r].view(layout.rows, -1)[rows]
                 if self.score == "residual" and e is not None:
-                    score = e[r, part].abs()
-                elif self.score == "gain" and windows:  # first-order loss decrease of syncing now
-                    score = m * m * age / (_last_d(state, part, m) + 1e-30)
-                elif self.score == "pending" and windows:  # expected |pending sum|, noise included
-                    d = _last_d(state, part, m)
-                    c = self.hp["beta2"] * (1 - b1) / (1 + b1) + (1 - self.hp["beta2"])
-                    noise = (d * d - m * m).clamp_(min=0) / c
-                    score = (age * age * m * m + age * noise).sqrt_()
-                elif self.score == "age" and windows:  # round robin by waiting time, |m| breaking ties
-                    score = age + m.abs() / (m.abs().max() + 1e-30)
-                else:  # the core's scores
-                    score = mask_score(self.score, m, target=target, synced_at=synced,
-                                       residual=None if e is None else e[r, part], beta1=b1)
-                exclude = None if scheduled is None else scheduled_in(scheduled[slot.name], slot.start, slot.size)
-                parts[slot.name].append(select_topk(score, slot.k, exclude) + slot.start)
-        self.masks[target] = {n: torch.cat(p) if p else torch.empty(0, dtype=torch.long) for n, p in parts.items()}
-        self.counters.mask_bytes += layout.payload_bytes
-        self.counters.bytes_sent += layout.payload_bytes
+                    score = e.abs()
+                else:
+                    score = momentum_residual_score(self.m[rows], e, self.hp["beta1"])
+                parts.append(select(score, layout, shape, scheduled, rows))
+            payload = -(-layout.rows // self.world_size) * shape.k * 2  # the largest partition, int16
+            self.counters.mask_bytes += payload
+            self.counters.bytes_sent += payload
+            self.masks[target] = Mask(shape.density, torch.cat(parts))
+            return
+        self.masks[target] = Mask(shape.density, select(self._replicated_score(target), layout, shape, scheduled))
+
+    def _replicated_score(self, target: int) -> Tensor:
+        m = self.m
+        if self.score == "age_momentum":
+            return age_momentum_score(m, self.windows, target)
+        if self.score == "momentum" or self.windows is None:
+            return m.abs()
+        age = self.windows.float().neg_().add_(target - 1)  # n - 1 at the step the mask is for
+        if self.score == "age":  # round robin by waiting time, |m| breaking ties
+            return age + m.abs() / (m.abs().max() + 1e-30)
+        d = self.stats["d"]
+        last_d = torch.where(d > 0, d, m.abs())
+        if self.score == "gain":  # first-order loss decrease of exchanging now
+            return m * m * age / (last_d + 1e-30)
+        if self.score == "pending":  # expected |pending sum|, noise included
+            b1, b2 = self.hp["beta1"], self.hp["beta2"]
+            noise = (last_d * last_d - m * m).clamp_(min=0) / (b2 * (1 - b1) / (1 + b1) + (1 - b2))
+            return (age * age * m * m + age * noise).sqrt_()
+        raise ValueError(f"unknown score {self.score!r}")
 
     # ----- one step: hook + optimizer -----------------------------------------------------
     @torch.no_grad()
@@ -211,55 +195,66 @@ class SimulatedScape:
         if lr is not None:
             self.hp["lr"] = lr
         W = self.world_size
-        dense = self.is_dense(self.t)
-        mask = None if dense else self.current_mask()
-        synced = {}
-        for name, g in grads.items():
-            g = g.float()
-            if self.send == "momentum" and not dense:
-                u = self.local_momentum.setdefault(name, torch.zeros_like(g))
-                g = u.lerp_(g, 1 - self.hp["beta1"]).clone()
-            e = self.residuals.get(name)
-            a = g if e is None else g + e
-            self.counters.dense_bytes += self.numels[name] * VALUE_BYTES
-            if dense:
-                synced[name] = (a / W).sum(0)
-                if e is not None:
-                    e.zero_()
-                self.counters.values_sent += self.numels[name]
-                self.counters.bytes_sent += self.numels[name] * VALUE_BYTES
-                continue
-            idx = mask[name]
-            self.sync_counts[name][idx] += 1
-            values = (a[:, idx] / W).sum(0)
-            if self.config.error_feedback:
-                e = a.clone()
-                e[:, idx] = 0.0
-                self.residuals[name] = e
-            if self.send == "momentum":
-                self.local_momentum[name][:, idx] = 0.0
-            full = torch.zeros(self.numels[name])
-            full[idx] = values
-            synced[name] = full
-            self.counters.values_sent += idx.numel()
-            self.counters.bytes_sent += idx.numel() * VALUE_BYTES
-        self._apply(synced, mask)
+        g = self._flat({n: v.float() for n, v in grads.items()}, (W,))
+        self.counters.dense_bytes += self.numel * VALUE_BYTES
+        if self.schedule.is_dense(self.t):
+            mean = (g / W).sum(0)  # each rank sends g_r / W: the all-reduce sums them
+            self.counters.values_sent += self.numel
+            self.counters.bytes_sent += self.numel * VALUE_BYTES
+            names = list(self.params)
+            adams_foreach([self.params[n].data for n in names],
+                          [self.layout.view(mean.view(self.layout.rows, -1), n).view_as(self.params[n]) for n in names],
+                          [self.layout.view(self.m, n).view_as(self.params[n]) for n in names], **self.hp)
+            self._end_step()
+            return
+        if self.residual is None:  # the first sparse step
+            self.residual = torch.zeros_like(g)
+            if self.config.keeps_windows:
+                self.windows = torch.full((self.layout.rows, self.layout.chunk), self.t - 1, dtype=torch.int32)
+        if self.send == "momentum":
+            u = self.local_momentum if self.local_momentum is not None else torch.zeros_like(g)
+            self.local_momentum = g = u.lerp_(g, 1 - self.hp["beta1"]).clone()
+        mask = self.current_mask()
+        entries = mask.flat(self.layout)
+        a = self.residual + g if self.config.error_feedback else g
+        s = (a[:, entries] / W).sum(0)
+        if self.config.error_feedback:
+            a[:, entries] = 0.0
+            self.residual = a
+        if self.send == "momentum":
+            self.local_momentum[:, entries] = 0.0
+        self.sync_counts[entries] += 1
+        self.counters.values_sent += entries.numel()
+        self.counters.bytes_sent += entries.numel() * VALUE_BYTES
+        self._apply(s, entries)
         self._end_step()
 
-    def _apply(self, synced: dict[str, Tensor], mask: dict[str, Tensor] | None) -> None:
-        params, gs, momenta = [], [], []
-        for name, g in synced.items():
-            p = self.params[name]
-            state = self.opt_state.setdefault(name, {"step": 0, MOMENTUM: torch.zeros_like(p, dtype=torch.float32)})
-            state["step"] += 1
-            params.append(p.data)
-            gs.append(g.view_as(p))
-            momenta.append(state[MOMENTUM])
-        if mask is None:
-            adams_foreach(params, gs, momenta, **self.hp)
-            return
-        for name, p, g in zip(synced, params, gs):
-            self.rule.apply(p, self.opt_state[name], g, mask[name], **self.hp)
+    def _apply(self, s: Tensor, entries: Tensor) -> None:
+        """``ScapeAdamS``'s sparse step: the rule on the entries, decay everywhere, the update on the mask."""
+        if self.windows is not None:
+            flat = self.windows.view(-1)
+            n = (self.t - flat.index_select(0, entries)).float()
+            flat.index_fill_(0, entries, self.t)
+        else:
+            n = torch.ones_like(s)
+        m_flat = self.m.view(-1)
+        stats = {k: b.view(-1).index_select(0, entries) for k, b in self.stats.items()}
+        u, m, stats = self.rule.update(s, n, m_flat.index_select(0, entries), stats,
+                                       beta1=self.hp["beta1"], beta2=self.hp["beta2"], eps=self.hp["eps"])
+        m_flat.index_copy_(0, entries, m)
+        for key, value in stats.items():
+            self.stats[key].view(-1).index_copy_(0, entries, value)
+        delta = torch.zeros(self.layout.rows * self.layout.chunk)
+        delta.index_copy_(0, entries, u)
+        decay = torch.ones(()).mul(-self.hp["lr"] * self.hp["weight_decay"]).add_(1.0)  # as the core computes it
+        for name, p in self.params.items():
+            if self.hp["weight_decay"]:
+                p.data.mul_(decay)
+            p.data.add_(self.layout.view(delta.view(self.layout.rows, -1), name).view_as(p), alpha=-self.hp["lr"])
+
+    def never_synced(self) -> float:
+        """Fraction of real coordinates never exchanged after the warm-up (diagnostics)."""
+        return float((self.sync_counts[self.real] == 0).float().mean())
 
 
 class SimulatedTopK:

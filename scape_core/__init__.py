@@ -7,11 +7,11 @@
 """
 
 from scape_core.adams import AdamS
-from scape_core.checkpoint import load_checkpoint, save_checkpoint
+from scape_core.checkpoint import gather_state_dict, load_checkpoint, save_checkpoint
 from scape_core.config import ScapeConfig
 from scape_core.hook import scape_hook
 from scape_core.optimizer import ScapeAdamS
-from scape_core.state import ScapeState, gather_state_dict
+from scape_core.state import ScapeState
 from scape_core.update_rules import UPDATE_RULES, UpdateRule, register_update_rule
 
 __all__ = [

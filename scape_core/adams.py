@@ -106,6 +106,17 @@ class AdamS(torch.optim.Optimizer):
         g = self.param_groups[-1]
         check_optimizer_args(g["lr"], g["betas"], g["eps"], g["weight_decay"])
 
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """As torch's, but ``m`` stays fp32 (torch would cast it to a bf16 parameter's dtype)."""
+        saved = state_dict["state"]
+        super().load_state_dict(state_dict)
+        params = [p for group in self.param_groups for p in group["params"]]
+        for index, entries in saved.items():
+            for key, value in entries.items():
+                if torch.is_tensor(value) and value.is_floating_point() and key != "step":
+                    p = params[index]
+                    self.state[p][key] = value.to(device=p.device, dtype=torch.float32, copy=True)
+
     def momentum(self, p: Tensor) -> Tensor:
         """The fp32 momentum buffer of ``p``, created (zeros) on first use."""
         state = self.state[p]

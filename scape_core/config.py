@@ -7,8 +7,10 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from scape_core.layout import MAX_CHUNK
+from scape_core.schedule import MaskSchedule
+
 SCORES = ("auto", "momentum_residual", "momentum", "age_momentum")
-RAMP = (0.25, 0.0625, 0.015625)  # DGC's sparsity warm-up: 75%, 93.75%, 98.4%
 
 
 @dataclass(frozen=True)
@@ -25,15 +27,20 @@ class ScapeConfig:
         mask_refresh: steps between new masks; ``1`` selects a new mask every step.
         error_feedback: keep what was not sent in a per-rank residual (default). ``False``
             drops it (ablation only: unsent gradient is lost).
-        score: ``"momentum_residual"`` scores ``|beta1 * m + (1 - beta1) * residual|``
-            (the contract); ``"momentum"`` scores ``|m|`` (ablation); ``"age_momentum"`` scores
-            ``|m| * (n - 1)``, ``n`` the coordinate's window at the step the mask is for (replicated;
-            needs an update rule that tracks windows, e.g. ``"linear"``). ``"auto"`` (default):
-            ``"age_momentum"`` for rules that track windows, ``"momentum_residual"`` otherwise.
+        score: ``"age_momentum"`` scores ``|m| * (n - 1)``, ``n`` the coordinate's window at the
+            step the mask is for (replicated: every rank selects the whole mask itself, no mask
+            bytes); ``"momentum_residual"`` scores ``|beta1 * m + (1 - beta1) * residual|`` (the
+            contract's first score: it reads each rank's residual, so rank r selects a partition of
+            the rows and the partitions are all-gathered); ``"momentum"`` scores ``|m|`` (ablation).
+            ``"auto"`` (default): the rule's own (``"age_momentum"`` for ``linear``,
+            ``"momentum_residual"`` for ``lazy``).
         ramp_steps: after the warm-up, masks are denser for this many steps, as DGC's sparsity
             warm-up: 25%, 6.25%, 1.5625% density for ``ramp_steps / 3`` steps each (only the
             stages denser than ``1 - sparsity``), then ``1 - sparsity``. ``0``: no ramp.
         update: name of the masked update rule (see :mod:`scape_core.update_rules`).
+        chunk_size: masks pick ``ceil(density * chunk_size)`` coordinates in every row of this
+            many coordinates of the flat layout (a parameter's last, shorter row picks its share),
+            with one batched top-k; at most 32768 (columns are int16).
 
     Example:
         >>> ScapeConfig(sparsity=0.9, warmup_steps=20).density
@@ -50,6 +57,7 @@ class ScapeConfig:
     score: str = "auto"
     update: str = "linear"
     ramp_steps: int = 150
+    chunk_size: int = 4096
 
     def __post_init__(self) -> None:
         from scape_core.update_rules import UPDATE_RULES  # late: rules import this module
@@ -61,6 +69,9 @@ class ScapeConfig:
         _check_int("warmup_steps", self.warmup_steps, minimum=0)
         _check_int("mask_refresh", self.mask_refresh, minimum=1)
         _check_int("ramp_steps", self.ramp_steps, minimum=0)
+        _check_int("chunk_size", self.chunk_size, minimum=16)
+        if self.chunk_size > MAX_CHUNK:
+            raise ValueError(f"chunk_size must be <= {MAX_CHUNK} (columns are int16), got {self.chunk_size!r}")
         if self.mask_delay not in (0, 1) or isinstance(self.mask_delay, bool):
             raise ValueError(f"mask_delay must be 0 or 1, got {self.mask_delay!r}")
         if not isinstance(self.error_feedback, bool):
@@ -72,23 +83,35 @@ class ScapeConfig:
                 f"update must be one of {sorted(UPDATE_RULES)}, got {self.update!r} "
                 "(register new rules with scape_core.register_update_rule)"
             )
-        if self.score == "age_momentum" and not self.tracks_windows:
-            raise ValueError(f"score='age_momentum' needs an update rule that tracks windows (e.g. 'linear'), "
-                             f"got update={self.update!r}")
+        if self.resolved_score not in SCORES[1:]:
+            raise ValueError(f"update rule {self.update!r} declares default_score={self.resolved_score!r}; "
+                             f"expected one of {SCORES[1:]}")
 
     @property
-    def tracks_windows(self) -> bool:
-        """Whether the update rule keeps per-coordinate sync windows (``synced_at``)."""
+    def keeps_windows(self) -> bool:
+        """Whether SCAPE keeps each coordinate's last exchanged step (the rule or the score reads it)."""
         from scape_core.update_rules import UPDATE_RULES
 
-        return bool(getattr(UPDATE_RULES[self.update], "tracks_windows", False))
+        return UPDATE_RULES[self.update].uses_windows or self.resolved_score == "age_momentum"
+
+    @property
+    def replicated_score(self) -> bool:
+        """Whether every rank computes the same score (then each selects the whole mask alone)."""
+        return self.resolved_score in ("age_momentum", "momentum")
 
     @property
     def resolved_score(self) -> str:
         """The mask score in use (``"auto"`` resolved for the update rule)."""
         if self.score != "auto":
             return self.score
-        return "age_momentum" if self.tracks_windows else "momentum_residual"
+        from scape_core.update_rules import UPDATE_RULES
+
+        return UPDATE_RULES[self.update].default_score
+
+    @property
+    def schedule(self) -> MaskSchedule:
+        """The mask schedule these settings describe."""
+        return MaskSchedule(self.sparsity, self.warmup_steps, self.ramp_steps, self.mask_delay, self.mask_refresh)
 
     @property
     def density(self) -> float:
@@ -102,9 +125,7 @@ class ScapeConfig:
             >>> ScapeConfig(sparsity=0.99, warmup_steps=10, ramp_steps=30).density_at(25)
             0.0625
         """
-        stage = (step - self.warmup_steps) * 3 // self.ramp_steps if self.ramp_steps else -1
-        stages = [d for d in RAMP if d > self.density]
-        return stages[stage] if 0 <= stage < len(stages) else self.density
+        return self.schedule.density_at(step)
 
     @property
     def dense(self) -> bool:

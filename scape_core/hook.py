@@ -2,106 +2,127 @@
 
 # no `from __future__ import annotations`: DDP inspects the hook's real annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from scape_core import inflight
+from scape_core.masks import Mask
 from scape_core.state import ScapeState
 
 
 @dataclass
-class _Bucket:
-    """One bucket's gradients, what each rank adds to them, and what goes on the wire."""
+class BucketPlan:
+    """One DDP bucket, resolved once: its parameters and their views in the bucket and in SCAPE's buffers."""
 
-    names: list[str]
-    grads: list[Tensor]  # flat views into the bucket buffer: this rank's gradients until `finish`
-    accumulated: list[Tensor]  # a_r = g_r + e_r: the residual itself, updated in place (or g_r)
-    mask: dict[str, Tensor] | None  # None: dense step
-    finite: bool  # this rank's gradients are finite
-    picked: list[Tensor] | None = None  # a_r[M] in fp32, to restore the residual if the step is skipped
+    names: tuple[str, ...]
+    grads: list[Tensor]  # flat views of each parameter's gradient in the bucket buffer
+    residuals: list[Tensor] = field(default_factory=list)  # the same parameters' residual views
 
 
-def accumulate(state: ScapeState, bucket: dist.GradBucket) -> _Bucket:
-    """``a_r = g_r + e_r`` for each parameter: in the residual (sparse) or in the bucket (dense)."""
-    names = [state.names[id(p)] for p in bucket.parameters()]
+def plan(state: ScapeState, bucket: dist.GradBucket) -> BucketPlan:
+    """The bucket's plan, built at its first sight (and again after DDP rebuilds its buckets)."""
     buffer = bucket.buffer()
-    if buffer.is_sparse or not buffer.is_floating_point():
-        raise TypeError(f"scape_hook needs dense floating-point gradients; {names} have "
-                        f"{'sparse' if buffer.is_sparse else buffer.dtype} gradients (use nn.Embedding(sparse=False))")
-    state.record_sync(names)
-    grads = [g.view(-1) for g in bucket.gradients()]
-    mask = state.current_mask()
-    finite = True  # dense steps need no local check: a non-finite input makes the reduced sum non-finite
-    if mask is not None:
-        lo, hi = torch.aminmax(buffer)  # NaN propagates, +-inf stays; unlike a sum, no fp16 overflow
-        finite = bool(torch.isfinite(lo) & torch.isfinite(hi))
-    accumulated = []
-    for name, g in zip(names, grads):
-        if mask is None:  # dense: the whole bucket goes out, a_r is built in the bucket
-            e = state.residuals.get(name)
-            accumulated.append(g if e is None else g.add_(e))
-        elif state.config.error_feedback and finite:  # the residual becomes a_r (never touched if non-finite)
-            accumulated.append(state.residual(name).add_(g))
-        else:
-            accumulated.append(g)
-    return _Bucket(names, grads, accumulated, mask, finite)
+    key = (bucket.index(), buffer.data_ptr())
+    found = state.buckets.get(key)
+    if found is None:
+        if buffer.is_sparse or not buffer.is_floating_point():
+            names = [state.names[id(p)] for p in bucket.parameters()]
+            raise TypeError(f"scape_hook needs dense floating-point gradients; {names} have "
+                            f"{'sparse' if buffer.is_sparse else buffer.dtype} gradients (use nn.Embedding(sparse=False))")
+        names, grads, rows, shifts = [], [], [], []
+        layout = state.layout
+        for p, g in zip(bucket.parameters(), bucket.gradients()):
+            name = state.names[id(p)]
+            names.append(name)
+            grads.append(g.view(-1))
+            state.bucket_views[name] = g  # shaped like the parameter: the optimizer reads and writes through it
+            offset = g.storage_offset() - buffer.storage_offset()  # where the gradient starts in the bucket
+            first = layout.first_row[name]
+            rows.append(torch.arange(first, first + layout.nrows[name]))
+            shifts.append(torch.full((layout.nrows[name],), offset - first * layout.chunk))
+        # flat index of a coordinate + shift of its row = its position in this bucket's buffer
+        state.row_shift.index_copy_(0, torch.cat(rows).to(state.row_shift.device),
+                                    torch.cat(shifts).to(state.row_shift.device))
+        found = state.buckets[key] = BucketPlan(tuple(names), grads)
+    if state.residual_buffer is not None and not found.residuals:
+        found.residuals = state.layout.views(state.residual_buffer, list(found.names))
+    return found
 
 
-def compact(state: ScapeState, b: _Bucket, buffer: Tensor) -> Tensor:
-    """The one buffer this rank sends: the whole bucket (dense) or ``a_r[M]`` (sparse).
+@dataclass
+class _Exchange:
+    """A sparse exchange in flight: where its entries are, and what this rank keeps if it succeeds."""
 
-    On a sparse step the residual keeps what is not sent: ``e_r = a_r`` with ``M`` zeroed
-    (for a low-precision wire, ``M`` keeps the rounding of what was sent).
+    entries: Tensor  # flat indices into SCAPE's buffers
+    positions: Tensor  # the same coordinates in the bucket buffer
+    spans: list[tuple[int, int]]  # where the bucket's entries sit among the mask's entries
+    total: int  # entries of the whole mask
+    finite: Tensor  # this rank's gradients in the bucket are finite (0-dim bool)
+    kept: Tensor | None  # a low-precision wire's rounding of what was sent, else None (nothing kept)
+
+
+def compact(state: ScapeState, p: BucketPlan, mask: Mask, buffer: Tensor) -> tuple[Tensor, _Exchange]:
+    """The one buffer this rank sends on a sparse step: ``a_r[M] / W`` with ``a_r = g_r + e_r``.
+
+    Fixed shape (the mask's entries of this bucket), gathered with two ``index_select`` on flat
+    buffers. A rank whose gradients are not finite sends NaN, so every rank skips the step.
     """
-    if b.mask is None:
-        return buffer
-    b.picked = [a.index_select(0, b.mask[n]).float() for n, a in zip(b.names, b.accumulated)]
-    send = torch.cat(b.picked).to(buffer.dtype) if b.picked else buffer.new_zeros(0)
-    if not b.finite:
-        return send.fill_(float("nan"))  # every rank then sees a non-finite sum and skips the step
-    if state.config.error_feedback:
-        offset = 0
-        for name, e, picked in zip(b.names, b.accumulated, b.picked):
-            idx = b.mask[name]
-            e.index_copy_(0, idx, picked - send[offset:offset + idx.numel()].float())  # 0 for fp32
-            offset += idx.numel()
-    return send
+    layout = state.layout
+    shape = layout.mask_shape(mask.density)
+    spans = shape.ranges(p.names)
+    flat = mask.flat(layout)
+    entries = torch.cat([flat[lo:hi] for lo, hi in spans]) if len(spans) != 1 else flat[spans[0][0]:spans[0][1]]
+    positions = entries + state.row_shift.index_select(0, torch.div(entries, layout.chunk, rounding_mode="floor"))
+    lo, hi = torch.aminmax(buffer)
+    finite = torch.isfinite(lo) & torch.isfinite(hi)  # NaN propagates, +-inf stays; no fp16 overflow
+    picked = buffer.index_select(0, positions).float()
+    if state.residual_buffer is not None:
+        picked += state.residual_buffer.view(-1).index_select(0, entries)
+    send = picked.to(buffer.dtype, copy=True)
+    kept = picked.sub_(send.float()) if buffer.dtype != torch.float32 else None  # the wire's rounding stays here
+    send.div_(state.world_size).masked_fill_(~finite, float("nan"))
+    state.record_exchange(buffer, positions, spans)
+    return send, _Exchange(entries, positions, spans, shape.entries, finite, kept)
 
 
-def finish(state: ScapeState, b: _Bucket, buffer: Tensor, reduced: Tensor) -> Tensor:
-    """Write the mean gradient into the bucket; on a non-finite result, undo the residual update."""
-    if not bool(torch.isfinite(reduced).all()):
-        state.record_nonfinite()  # this bucket's gradient is dropped on every rank
-        if b.mask is not None:
-            if state.config.error_feedback and b.finite:  # e_r = a_r - g_r: back as before (up to rounding)
-                for name, e, g, picked in zip(b.names, b.accumulated, b.grads, b.picked):
-                    e.index_copy_(0, b.mask[name], picked).sub_(g)
-            buffer.fill_(float("nan"))
-        return buffer
-    if b.mask is None:  # dense: everything went out, the bucket already holds the mean
-        for name in b.names:
-            if name in state.residuals:
-                state.residuals[name].zero_()
-        return buffer
+def finish_sparse(state: ScapeState, p: BucketPlan, x: _Exchange, buffer: Tensor, reduced: Tensor) -> Tensor:
+    """After the exchange: the residual keeps the rest, the bucket holds the mean on the mask (zeros elsewhere).
+
+    Decided on the device: if the exchange was not finite on any rank, this step's gradient is
+    dropped from the residual (which stays as before the step) and the bucket holds zeros.
+    """
+    ok = torch.isfinite(reduced).all()
+    state.record_finite(ok)
+    if state.residual_buffer is not None:
+        buffer.masked_fill_(~(ok & x.finite), 0.0)  # a dropped step adds nothing
+        torch._foreach_add_(p.residuals, p.grads)  # e_r += g_r: the residual now holds a_r
+        flat = state.residual_buffer.view(-1)
+        flat.index_copy_(0, x.entries, torch.where(ok, 0.0 if x.kept is None else x.kept, flat.index_select(0, x.entries)))
+    mean = torch.where(ok, reduced, 0.0)
+    buffer.zero_()
+    buffer.index_copy_(0, x.positions, mean)
+    values = state.step_values(x.total)
     offset = 0
-    for name, g in zip(b.names, b.grads):
-        idx = b.mask[name]
-        values = reduced[offset:offset + idx.numel()]
-        offset += idx.numel()
-        g.zero_()
-        g.index_copy_(0, idx, values.to(g.dtype))
-        state.record_sent(name, idx, values)
+    for lo, hi in x.spans:
+        values[lo:hi].copy_(mean[offset:offset + hi - lo])
+        offset += hi - lo
+    return buffer
+
+
+def finish_dense(state: ScapeState, buffer: Tensor) -> Tensor:
+    """After a dense all-reduce the bucket holds the mean; its finiteness decides the step."""
+    state.record_finite(torch.isfinite(buffer).all())
     return buffer
 
 
 def scape_hook(state: ScapeState, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
     """DDP comm hook: all-reduce only the masked coordinates of ``grad + residual``.
 
-    Versus plain DDP: on a sparse step each rank adds its residual to its gradient, gathers
-    the coordinates of the step's mask (common to every rank) into one compact buffer, and
+    Versus plain DDP: on a sparse step each rank adds its gradient to its residual, gathers the
+    coordinates of the step's mask (the same on every rank) into one compact buffer, and
     all-reduces that buffer alone (values, no indices). The bucket comes back holding the mean
     on the mask and zeros elsewhere; the unsent rest stays in this rank's residual. Warm-up
     steps (and ``sparsity=0``) are plain averaging all-reduces. Needs :class:`ScapeAdamS`.
@@ -113,9 +134,20 @@ def scape_hook(state: ScapeState, bucket: dist.GradBucket) -> torch.futures.Futu
         opt = ScapeAdamS(ddp.parameters(), state, lr=3e-4)
     """
     buffer = bucket.buffer()
-    b = accumulate(state, bucket)
-    send = compact(state, b, buffer).div_(state.world_size)
-    state.count(send.numel(), send.numel() * send.element_size(), buffer.numel() * buffer.element_size())
+    p = plan(state, bucket)
+    state.record_sync(list(p.names))
+    mask = state.current_mask()
+    dense_bytes = buffer.numel() * buffer.element_size()
+    if mask is None:
+        send = buffer.div_(state.world_size)
+        state.count(send.numel(), dense_bytes, dense_bytes)
+        work = inflight.hold(dist.all_reduce(send, group=state.process_group, async_op=True))
+        return work.get_future().then(lambda f: finish_dense(state, f.value()[0]))
+    if not state.sparse_started:
+        state.start_sparse()
+        p = plan(state, bucket)
+    send, exchange = compact(state, p, mask, buffer)
+    state.count(send.numel(), send.numel() * send.element_size(), dense_bytes)
     work = inflight.hold(dist.all_reduce(send, group=state.process_group, async_op=True))
     fut = work.get_future()  # its callback runs on gloo's thread: exit waits for the work (see inflight)
-    return fut.then(lambda f: finish(state, b, buffer, f.value()[0]))
+    return fut.then(lambda f: finish_sparse(state, p, exchange, buffer, f.value()[0]))

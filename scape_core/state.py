@@ -1,8 +1,7 @@
-"""ScapeState: SCAPE's per-rank state (residuals, mask schedule, counters), keyed by parameter name."""
+"""ScapeState: SCAPE's per-rank state (residual, windows, masks, counters) in flat buffers."""
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -12,9 +11,9 @@ from torch import Tensor, nn
 
 from scape_core import inflight
 from scape_core.config import ScapeConfig
-from scape_core.masks import MaskLayout, mask_score, scheduled_in, select_topk
+from scape_core.layout import FlatLayout
+from scape_core.masks import Mask, age_momentum_score, momentum_residual_score, select, strided
 
-STATE_FORMAT = 1
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_forward_module.")
 
 
@@ -49,8 +48,10 @@ class _Step:
     """What the hook recorded during the current step's backward."""
 
     synced: set[str] = field(default_factory=set)
-    sent: dict[str, tuple[Tensor, Tensor]] = field(default_factory=dict)  # name -> (mask, mean values)
-    nonfinite: bool = False
+    finite: list[Tensor] = field(default_factory=list)  # one 0-dim bool per bucket: its reduced values are finite
+    values: Tensor | None = None  # sparse: the mean exchanged at each mask entry (0 where a bucket was not finite)
+    exchanges: list[tuple[Tensor, Tensor, list[tuple[int, int]]]] = field(default_factory=list)  # sparse, per
+    # bucket: its buffer, the positions of its entries there, and where they sit among the mask's entries
 
 
 class ScapeState:
@@ -65,34 +66,41 @@ class ScapeState:
     Tuning (see ``docs/benchmarks.md`` for the measurements behind the defaults):
 
     - ``sparsity``: the fraction of coordinates a sparse step does not exchange. Bytes per
-      step are about ``(1 - sparsity)`` of dense DDP plus the mask's share (indices or a
-      bitmap, whichever is smaller). Quality cost grows with sparsity: measure before 0.99.
+      step are about ``(1 - sparsity)`` of dense DDP's (values only: with the default score
+      every rank computes the mask itself). Quality cost grows with sparsity: measure before 0.99.
     - ``warmup_steps``: dense steps first. They fill the momentum the first mask is scored
       from and outlive DDP's bucket rebuild after iteration 1. Tens to hundreds of steps.
     - ``ramp_steps``: after the warm-up, denser masks for a while (25%, 6.25%, 1.6% density),
       as DGC's sparsity warm-up; the measured largest gain after the update rule.
     - ``update``: the masked update rule; ``"linear"`` (default) applies each coordinate's whole
       synchronized sum, ``"lazy"`` (the contract's first reading) one AdamS step per selection.
-    - ``mask_delay``: 1 (default) gives each mask's all-gather a whole step to complete off the
-      critical path; 0 waits for it (ablation).
-    - ``mask_refresh``: steps between new masks; larger saves the mask bytes and top-k time.
+    - ``mask_delay``: 1 (default) selects each mask a whole step before it is used (off the
+      critical path); 0 selects it at the end of the step before (ablation).
+    - ``mask_refresh``: steps between new masks; larger saves selection time.
+    - ``chunk_size``: masks pick the same share of every row of this many coordinates.
 
-    Everything is keyed by parameter name, never by DDP bucket index, so the bucket rebuild,
-    several buckets, ``gradient_as_bucket_view``, ``static_graph`` and ``no_sync`` are safe and
-    :meth:`state_dict` resumes bit-for-bit. Memory over AdamS: one fp32 residual per parameter
-    plus the masks.
+    The residual and the windows are flat ``(rows, chunk)`` buffers (:mod:`scape_core.layout`)
+    with a view per parameter name: checkpoints stay keyed by name, never by DDP bucket, so the
+    bucket rebuild, several buckets, ``gradient_as_bucket_view``, ``static_graph`` and
+    ``no_sync`` are safe and :meth:`state_dict` resumes bit-for-bit. Memory over AdamS: one fp32
+    residual and one int32 window per parameter, plus the masks (int16, ``k`` per row).
 
-    Non-finite gradients: a rank with a NaN/inf anywhere in a bucket poisons that bucket's
-    compact buffer, so every rank sees a non-finite reduction and all skip the optimizer step
-    together (counted in ``skipped_steps``). Buckets poisoned that way drop this step's gradient;
-    values synchronized in clean buckets go back into the residuals, so nothing sent is lost and
-    ``m``, parameters and residuals stay finite.
+    Non-finite gradients: a rank with a NaN/inf in a bucket poisons that bucket's exchange, so
+    every rank sees a non-finite reduction and all skip the optimizer step together (counted in
+    ``skipped_steps``), decided on the device. A poisoned bucket drops the step's gradient; values
+    exchanged in clean buckets go back into the residuals, so nothing sent is lost and ``m``,
+    parameters and residuals stay as they were.
 
     Args:
         model: the DistributedDataParallel-wrapped model (optionally under torch.compile).
         sparsity: shorthand for ``ScapeConfig.sparsity``.
         config: a full :class:`ScapeConfig`; other keyword arguments override its fields.
         process_group: the group to communicate over (default: the world).
+
+    Example:
+        >>> state = ScapeState(ddp, sparsity=0.99, warmup_steps=20)
+        >>> state.config.sparsity, state.step, state.is_dense(0)
+        (0.99, 0, True)
     """
 
     def __init__(
@@ -109,6 +117,7 @@ class ScapeState:
         if sparsity is not None:
             fields["sparsity"] = sparsity
         self.config = (config or ScapeConfig()).replace(**fields)
+        self.schedule = self.config.schedule
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("ScapeState needs torch.distributed initialized (dist.init_process_group)")
         self.process_group = process_group
@@ -118,54 +127,93 @@ class ScapeState:
         self.params = parameter_names(model)
         if not self.params:
             raise ValueError("the model has no trainable parameters")
+        for name, p in self.params.items():
+            if not p.is_contiguous():
+                raise ValueError(f"parameter {name!r} is not contiguous (e.g. channels_last): SCAPE keeps flat "
+                                 "views of every parameter; make it contiguous before wrapping the model in DDP")
         self.names = {id(p): n for n, p in self.params.items()}
-        self._layouts: dict[float, MaskLayout] = {}  # one per density the ramp uses, built on first use
+        self.layout = FlatLayout(self.params, self.config.chunk_size)
+        self.partition = self._partition()  # rows this rank scores when the score reads its residual
+        for density in self.schedule.densities():  # built now: their first use reads the device once
+            self.layout.mask_shape(density)
+        for rows in {(0, self.layout.rows), (self.partition.start, self.partition.stop)}:
+            self.layout.partial_rows_in(*rows)
         self.step = 0  # optimizer steps taken (skipped ones included)
-        self.residuals: dict[str, Tensor] = {}  # allocated at the first sparse step
-        self.masks: dict[int, dict[str, Tensor]] = {}  # step -> mask used at that step
-        self._pending: tuple[int, Any, list[Tensor]] | None = None  # (step, work, payloads)
+        self._sparse = False
+        self.residual_buffer: Tensor | None = None  # (rows, chunk) fp32, this rank's unsent gradient: from the first sparse step
+        self.window_buffer: Tensor | None = None  # (rows, chunk) int32, the step each coordinate was last exchanged at
+        self.masks: dict[int, Mask] = {}  # step -> mask used at that step
+        self._strided: dict[float, Mask] = {}
+        self._pending: tuple[int, Any, Tensor] | None = None  # (step, work, gathered columns)
         self._current = _Step()
+        self._skipped = torch.zeros((), dtype=torch.long, device=self.layout.device)
+        self.row_shift = torch.zeros(self.layout.rows, dtype=torch.long, device=self.layout.device)
+        self.buckets: dict[tuple[int, int], Any] = {}  # the hook's per-bucket plans
+        self.bucket_views: dict[str, Tensor] = {}  # each parameter's gradient view in its DDP bucket
         self.optimizer: Any = None
-        self.counters = dict(steps=0, skipped_steps=0, hook_calls=0, values_sent=0, bytes_sent=0,
-                             mask_bytes=0, dense_bytes=0)
+        self.counters = dict(steps=0, hook_calls=0, values_sent=0, bytes_sent=0, mask_bytes=0, dense_bytes=0)
+
+    def _partition(self) -> slice:
+        rows, world = self.layout.rows, self.world_size
+        return slice(rows * self.rank // world, rows * (self.rank + 1) // world)
 
     # ----- schedule -------------------------------------------------------------------
     def is_dense(self, step: int) -> bool:
         """Whether ``step`` exchanges every coordinate (warm-up or ``sparsity == 0``)."""
-        return self.config.dense or step < self.config.warmup_steps
+        return self.schedule.is_dense(step)
 
-    def layout_at(self, step: int) -> MaskLayout:
-        """The mask layout of ``step`` (its density follows the ramp); every rank derives it alone."""
-        density = self.config.density_at(step)
-        if density not in self._layouts:
-            self._layouts[density] = MaskLayout({n: p.numel() for n, p in self.params.items()},
-                                                self.world_size, density)
-        return self._layouts[density]
-
-    def _is_refresh(self, step: int) -> bool:
-        return (step - self.config.warmup_steps) % self.config.mask_refresh == 0
-
-    def current_mask(self) -> dict[str, Tensor] | None:
+    def current_mask(self) -> Mask | None:
         """Mask of the step in progress; ``None`` on a dense step."""
         if self.is_dense(self.step):
             return None
         if self.step not in self.masks:
-            if self.step - 1 - self.config.mask_delay >= 0:  # a step existed that should have picked it
-                raise RuntimeError(f"no SCAPE mask is scheduled for step {self.step}: was "
-                                   "ScapeAdamS.step() skipped, or the state reloaded without its masks?")
-            # No step before this one could select it (warm-up shorter than the delay):
-            # evenly spaced coordinates, identical on every rank without communication.
-            self.masks[self.step] = self.layout_at(self.step).strided()
+            self._finish_pending()
+            if self.step not in self.masks:
+                if self.step >= self.schedule.first_selected():  # a step existed that should have picked it
+                    raise RuntimeError(f"no SCAPE mask is scheduled for step {self.step}: was "
+                                       "ScapeAdamS.step() skipped, or the state reloaded without its masks?")
+                self.masks[self.step] = self._strided_mask(self.schedule.density_at(self.step))
         return self.masks[self.step]
 
-    # ----- hook side ------------------------------------------------------------------
-    def residual(self, name: str) -> Tensor:
-        """This rank's fp32 residual of ``name`` (zeros until something is left unsent)."""
-        if name not in self.residuals:
-            p = self.params[name]
-            self.residuals[name] = torch.zeros(p.numel(), dtype=torch.float32, device=p.device)
-        return self.residuals[name]
+    def _strided_mask(self, density: float) -> Mask:
+        """Evenly spaced picks: the mask of sparse steps no earlier step could select for."""
+        if density not in self._strided:
+            self._strided[density] = strided(self.layout, self.layout.mask_shape(density))
+        return self._strided[density]
 
+    # ----- buffers and named views ----------------------------------------------------
+    @property
+    def sparse_started(self) -> bool:
+        """Whether the buffers of sparse steps exist (the first sparse step, or a loaded state, made them)."""
+        return self._sparse
+
+    def start_sparse(self) -> None:
+        """Allocate the residual (and the windows) before the first sparse exchange."""
+        self._sparse = True
+        if self.residual_buffer is None and self.config.error_feedback:
+            self.residual_buffer = self.layout.zeros()
+        if self.window_buffer is None and self.config.keeps_windows:  # the warm-up exchanged everything
+            self.window_buffer = torch.full((self.layout.rows, self.layout.chunk), self.step - 1, dtype=torch.int32,
+                                      device=self.layout.device)
+
+    def residual(self, name: str) -> Tensor:
+        """This rank's fp32 residual of ``name`` (flat; zeros before the first sparse step)."""
+        if self.residual_buffer is None:
+            return torch.zeros(self.layout.numel[name], device=self.layout.device)
+        return self.layout.view(self.residual_buffer, name)
+
+    @property
+    def residuals(self) -> dict[str, Tensor]:
+        """Every parameter's residual view by name (empty before the first sparse step)."""
+        if self.residual_buffer is None:
+            return {}
+        return {n: self.layout.view(self.residual_buffer, n) for n in self.params}
+
+    def window(self, name: str) -> Tensor | None:
+        """The step each coordinate of ``name`` was last exchanged at (``None`` before the first sparse step)."""
+        return None if self.window_buffer is None else self.layout.view(self.window_buffer, name)
+
+    # ----- hook side ------------------------------------------------------------------
     def record_sync(self, names: list[str]) -> None:
         """Called once per bucket per backward; refuses a second sync before the optimizer step."""
         again = self._current.synced.intersection(names)
@@ -178,11 +226,19 @@ class ScapeState:
         self._current.synced.update(names)
         self.counters["hook_calls"] += 1
 
-    def record_sent(self, name: str, mask: Tensor, values: Tensor) -> None:
-        self._current.sent[name] = (mask, values)
+    def step_values(self, entries: int) -> Tensor:
+        """The step's buffer of exchanged means, one per mask entry (the hook fills it bucket by bucket)."""
+        if self._current.values is None:
+            self._current.values = torch.zeros(entries, device=self.layout.device)
+        return self._current.values
 
-    def record_nonfinite(self) -> None:
-        self._current.nonfinite = True
+    def record_finite(self, finite: Tensor) -> None:
+        """A bucket's verdict (0-dim bool on the device; list appends are safe from gloo's thread)."""
+        self._current.finite.append(finite)
+
+    def record_exchange(self, buffer: Tensor, positions: Tensor, spans: list[tuple[int, int]]) -> None:
+        """A sparse bucket's buffer, its entries' positions there, and their place among the mask's entries."""
+        self._current.exchanges.append((buffer, positions, spans))
 
     def count(self, values: int, nbytes: int, dense_bytes: int) -> None:
         self.counters["values_sent"] += values
@@ -190,8 +246,11 @@ class ScapeState:
         self.counters["dense_bytes"] += dense_bytes
 
     # ----- optimizer side -------------------------------------------------------------
-    def begin_step(self, names_with_grad: list[str]) -> tuple[dict[str, Tensor] | None, bool]:
-        """Check the hook synchronized every gradient; returns ``(mask or None, skip)``."""
+    def begin_step(self, names_with_grad: list[str]) -> tuple[Mask | None, Tensor]:
+        """Check the hook synchronized every gradient; returns ``(mask or None, skip)``.
+
+        ``skip`` is a 0-dim bool on the device: True when any bucket's exchange was not finite.
+        """
         missing = [n for n in names_with_grad if n not in self._current.synced]
         if missing:
             if not self._current.synced:
@@ -200,72 +259,117 @@ class ScapeState:
                     "it with ddp.register_comm_hook(state, scape_hook) before the first backward"
                 )
             raise RuntimeError(f"gradients of {missing[:3]} were not synchronized by scape_hook this step")
-        return (None if self.is_dense(self.step) else self.masks[self.step]), self._current.nonfinite
+        finite = self._current.finite
+        skip = ~torch.stack(finite).all() if finite else torch.zeros((), dtype=torch.bool, device=self.layout.device)
+        return (None if self.is_dense(self.step) else self.masks[self.step]), skip
 
-    def end_step(self, momenta: dict[str, Tensor], beta1: dict[str, float], applied: set[str],
-                 synced_at: dict[str, Tensor] | None = None) -> None:
-        """Close the step, then schedule upcoming masks.
+    def gather_gradients(self, params: list[Tensor], entries: int) -> Tensor:
+        """The synchronized gradient at every mask entry, read from ``p.grad`` (fp32).
 
-        Values that were synchronized but not applied (a skipped step, or a parameter with no
-        gradient on the optimizer side) go back into the residual: nothing sent is lost.
+        Reads ``p.grad``, not what the hook received, so gradient clipping or scaling between
+        backward and step applies. A ``p.grad`` that is not its bucket's own memory
+        (``gradient_as_bucket_view=False``, or replaced) is first copied into the bucket.
         """
-        for name, (mask, values) in self._current.sent.items():
-            if name not in applied:
-                self.residual(name).index_add_(0, mask, values.float())
-        if self._current.nonfinite:
-            self.counters["skipped_steps"] += 1
+        elsewhere = [(self.bucket_views[self.names[id(p)]], p.grad) for p in params
+                     if p.grad.data_ptr() != self.bucket_views[self.names[id(p)]].data_ptr()]
+        if elsewhere:
+            torch._foreach_copy_([v for v, _ in elsewhere], [g for _, g in elsewhere])
+        values = torch.empty(entries, device=self.layout.device)
+        for buffer, positions, spans in self._current.exchanges:
+            _scatter_spans(values, spans, buffer.index_select(0, positions))
+        return values
+
+    def scatter_update(self, update: Tensor) -> None:
+        """Write ``update`` (one value per mask entry) into the bucket buffers, zeros elsewhere: each
+        parameter's bucket view (:attr:`bucket_views`) then holds its dense update."""
+        for buffer, positions, spans in self._current.exchanges:
+            buffer.zero_()
+            buffer.index_copy_(0, positions, _gather_spans(update, spans).to(buffer.dtype))
+
+    def restore_gradients(self, values: Tensor) -> None:
+        """Put the synchronized gradient back into the buckets (``p.grad`` when it is the bucket's view)."""
+        for buffer, positions, spans in self._current.exchanges:
+            buffer.index_copy_(0, positions, _gather_spans(values, spans).to(buffer.dtype))
+
+    def entries_with_grad(self, params: list[Tensor], entries: Tensor, keep: Tensor) -> Tensor:
+        """Per mask entry: applied this step (``keep``, and its parameter has a gradient)."""
+        with_grad = {self.names[id(p)] for p in params}
+        rows = torch.ones(self.layout.rows, dtype=torch.bool, device=self.layout.device)
+        for name in self.params:
+            if name not in with_grad:  # rare (unused parameters): one fill each
+                first = self.layout.first_row[name]
+                rows[first:first + self.layout.nrows[name]] = False
+        owner = torch.div(entries, self.layout.chunk, rounding_mode="floor")
+        return rows.index_select(0, owner) & keep
+
+    def return_unapplied(self, entries: Tensor, applied: Tensor) -> None:
+        """Exchanged values the optimizer did not apply (a skipped step, a parameter without
+        gradient) go back into the residual: nothing sent is lost. ``applied``: bool, 0-dim or per entry."""
+        values = self._current.values
+        if values is not None and self.residual_buffer is not None:
+            self.residual_buffer.view(-1).index_add_(0, entries, values.masked_fill(applied, 0.0))
+
+    def mark_exchanged(self, entries: Tensor, applied: Tensor) -> Tensor | None:
+        """The window length of each entry (steps since its last exchange, >= 1); marks them exchanged now."""
+        if self.window_buffer is None:
+            return None
+        flat = self.window_buffer.view(-1)
+        last = flat.index_select(0, entries)
+        flat.index_copy_(0, entries, torch.where(applied, self.step, last))
+        return last.neg_().add_(self.step).float()
+
+    def end_step(self, momentum: Tensor, beta1: float, skip: Tensor) -> None:
+        """Close the step, then select the masks of upcoming steps from ``momentum`` (``(rows, chunk)``)."""
+        self._skipped += skip
         self._current = _Step()
         done, self.step = self.step, self.step + 1
         self.counters["steps"] += 1
-        if self.config.dense:
+        if self.schedule.dense:
             return
         self._finish_pending()
-        target = done + 1 + self.config.mask_delay
-        if not self.is_dense(target):
-            if self._is_refresh(target):
-                self._select(target, momenta, beta1, synced_at or {})
-            else:
-                self.masks[target] = self.masks[target - 1]
+        target = self.schedule.target_after(done)
+        if self.schedule.selects(target):
+            self._select(target, momentum, beta1)
+        elif not self.is_dense(target):
+            self.masks[target] = self.masks.get(target - 1) or self._strided_mask(self.schedule.density_at(target))
         if self.config.mask_delay == 0:
             self._finish_pending()
         self.masks = {s: m for s, m in self.masks.items() if s >= self.step}
 
-    def _select(self, target: int, momenta: dict[str, Tensor], beta1: dict[str, float],
-                synced_at: dict[str, Tensor]) -> None:
-        """Score and pick this rank's partitions, then start the all-gather of every rank's picks."""
-        scheduled = self.masks.get(target - 1) if self.config.mask_delay else None
-        layout = self.layout_at(target)
-        picks = {}
-        for slot in layout.partition(self.rank):
-            if not slot.k:
-                continue
-            p = self.params[slot.name]
-            part = slice(slot.start, slot.start + slot.size)
-            m = momenta.get(slot.name)
-            m = torch.zeros(slot.size, device=p.device) if m is None else m.view(-1)[part].float()
-            synced = synced_at.get(slot.name)
-            residual = self.residuals.get(slot.name)
-            score = mask_score(self.config.resolved_score, m, target=target,
-                               synced_at=None if synced is None else synced.view(-1)[part],
-                               residual=None if residual is None else residual[part],
-                               beta1=beta1.get(slot.name, 0.9))
-            # the scheduled mask's residual is about to be flushed: don't pick it twice
-            exclude = None if scheduled is None else scheduled_in(scheduled[slot.name], slot.start, slot.size)
-            picks[slot.name] = select_topk(score, slot.k, exclude)
-        device = next(iter(self.params.values())).device
-        payload = layout.encode(self.rank, picks, device=device)
-        out = [torch.empty_like(payload) for _ in range(self.world_size)]
-        work = inflight.hold(dist.all_gather(out, payload, group=self.process_group, async_op=True))
-        self.counters["mask_bytes"] += payload.numel()
-        self.counters["bytes_sent"] += payload.numel()
-        self._pending = (target, layout, work, out)
+    def _select(self, target: int, momentum: Tensor, beta1: float) -> None:
+        """Score and pick the mask of ``target``: all of it (replicated score) or this rank's rows."""
+        shape = self.layout.mask_shape(self.schedule.density_at(target))
+        scheduled = self.masks.get(target - 1) if self.config.mask_delay else None  # being flushed: not twice
+        kind = self.config.resolved_score
+        if self.config.replicated_score:
+            if kind == "age_momentum":
+                score = age_momentum_score(momentum, self.window_buffer, target)
+            else:
+                score = momentum.abs()
+            self.masks[target] = Mask(shape.density, select(score, self.layout, shape, scheduled))
+            return
+        rows = self.partition
+        residual = None if self.residual_buffer is None else self.residual_buffer[rows]
+        score = momentum_residual_score(momentum[rows], residual, beta1)
+        own = select(score, self.layout, shape, scheduled, rows)
+        most = -(-self.layout.rows // self.world_size)  # rows of the largest partition
+        payload = torch.zeros(most, shape.k, dtype=torch.int16, device=own.device)
+        payload[:own.shape[0]] = own
+        wire = payload.view(torch.uint8)  # as bytes: gloo has no int16
+        out = wire.new_empty(self.world_size * most, wire.shape[1])
+        work = inflight.hold(dist.all_gather_into_tensor(out, wire, group=self.process_group, async_op=True))
+        nbytes = payload.numel() * payload.element_size()
+        self.counters["mask_bytes"] += nbytes
+        self.counters["bytes_sent"] += nbytes
+        self._pending = (target, work, out)
 
     def wait(self) -> None:
         """Finish SCAPE's in-flight collectives; call before ``dist.destroy_process_group()``.
 
-        Each step starts the all-gather of a future mask, and gloo finishes each all-reduce's
-        callback on its own thread; tearing the process group down (or exiting) under either
-        can abort the process (gloo: "terminate called without an active exception").
+        A mask all-gather may be in flight (scores that read the residual), and gloo finishes
+        each all-reduce's callback on its own thread; tearing the process group down (or
+        exiting) under either can abort the process (gloo: "terminate called without an active
+        exception").
         """
         self._finish_pending()
         inflight.finish_all()
@@ -273,33 +377,39 @@ class ScapeState:
     def _finish_pending(self) -> None:
         if self._pending is None:
             return
-        target, layout, work, out = self._pending
+        target, work, out = self._pending
         work.wait()
-        self.masks[target] = {n: m.to(self.params[n].device) for n, m in layout.decode(
-            [o.cpu() for o in out]).items()}
+        out = out.view(torch.int16).view(self.world_size, -1, out.shape[-1] // 2)
+        parts = [out[r, :self._rows_of(r)] for r in range(self.world_size)]
+        self.masks[target] = Mask(self.schedule.density_at(target), torch.cat(parts))
         self._pending = None
 
+    def _rows_of(self, rank: int) -> int:
+        rows, world = self.layout.rows, self.world_size
+        return rows * (rank + 1) // world - rows * rank // world
+
     # ----- reporting and checkpoints --------------------------------------------------
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for non-finite gradients so far (reads the device: call it between steps)."""
+        return int(self._skipped)
+
     def stats(self) -> dict[str, float]:
-        """Communication so far on this rank: steps, values/bytes sent, dense bytes, compression."""
-        c = dict(self.counters)
+        """Communication so far on this rank: steps, values/bytes sent, dense bytes, compression, skipped steps.
+
+        Reads the device's count of skipped steps (a host synchronization): call it between
+        steps, not inside one.
+        """
+        c: dict[str, float] = dict(self.counters)
+        c["skipped_steps"] = self.skipped_steps
         c["compression"] = c["dense_bytes"] / c["bytes_sent"] if c["bytes_sent"] else 1.0
         return c
 
     def state_dict(self) -> dict[str, Any]:
-        """This rank's state: step, scheduled masks, residuals, counters (waits for a pending mask)."""
-        self._finish_pending()
-        return {
-            "format": STATE_FORMAT,
-            "step": self.step,
-            "world_size": self.world_size,
-            "rank": self.rank,
-            "config": self.config.to_dict(),
-            "shapes": {n: tuple(p.shape) for n, p in self.params.items()},
-            "masks": {s: {n: i.to(torch.int32).cpu() for n, i in m.items()} for s, m in self.masks.items()},
-            "residual": {n: r.detach().cpu().clone() for n, r in self.residuals.items()},
-            "counters": dict(self.counters),
-        }
+        """This rank's state: step, scheduled masks, residual and windows by name, counters."""
+        from scape_core.checkpoint import state_dict
+
+        return state_dict(self)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (this rank) or :func:`gather_state_dict` (all ranks).
@@ -308,69 +418,25 @@ class ScapeState:
         another world size every rank gets the old ranks' mean (keeping the global unsent
         gradient) with a warning. Everything is validated before anything is changed.
         """
-        residual = self.check_loadable(state)
-        self._finish_pending()
-        self.step = int(state["step"])
-        self.masks = {int(s): {n: i.to(torch.long).to(self.params[n].device) for n, i in m.items()}
-                      for s, m in state["masks"].items()}
-        self.residuals = {n: r.to(device=self.params[n].device, dtype=torch.float32).clone()
-                          for n, r in residual.items()}
-        self.counters.update(state["counters"])
-        self._current = _Step()
+        from scape_core.checkpoint import load_state_dict
+
+        load_state_dict(self, state)
 
     def check_loadable(self, state: dict[str, Any]) -> dict[str, Tensor]:
         """Validate a saved state against this run (raises ValueError); returns this rank's residual."""
-        if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
-            raise ValueError("not a SCAPE state (expected the dict from ScapeState.state_dict "
-                             f"or gather_state_dict, format {STATE_FORMAT})")
-        shapes = {n: tuple(s) for n, s in state["shapes"].items()}
-        ours = {n: tuple(p.shape) for n, p in self.params.items()}
-        if shapes != ours:
-            diff = sorted(set(shapes) ^ set(ours)) or [n for n in ours if shapes[n] != ours[n]]
-            raise ValueError(f"SCAPE state was saved for another model: parameters differ at {diff[:5]}")
-        saved = state["config"].get("sparsity")
-        if saved != self.config.sparsity:
-            raise ValueError(f"SCAPE state was saved with sparsity={saved}, this run uses "
-                             f"sparsity={self.config.sparsity}")
-        if "residuals" in state:  # gathered: one residual dict per saved rank
-            per_rank = state["residuals"]
-            if len(per_rank) == self.world_size:
-                return per_rank[self.rank]
-            warnings.warn(f"resuming SCAPE state saved at world size {len(per_rank)} on world size "
-                          f"{self.world_size}: every rank starts from the mean residual", stacklevel=3)
-            names = set().union(*per_rank) if per_rank else set()
-            return {n: torch.stack([r[n] if n in r else torch.zeros_like(self.residual(n).cpu())
-                                    for r in per_rank]).float().mean(0) for n in names}
-        if state["world_size"] != self.world_size or state["rank"] != self.rank:
-            raise ValueError(
-                f"this SCAPE state is rank {state['rank']} of world size {state['world_size']}; "
-                f"to resume on rank {self.rank} of {self.world_size}, save with gather_state_dict()")
-        return state["residual"]
+        from scape_core.checkpoint import check_loadable
+
+        return check_loadable(self, state)
 
 
-def gather_state_dict(state: ScapeState) -> dict[str, Any]:
-    """Every rank's SCAPE state in one object (collective: call on all ranks).
+def _gather_spans(values: Tensor, spans: list[tuple[int, int]]) -> Tensor:
+    """``values[lo:hi]`` of every span, concatenated (a view when there is one span)."""
+    return values[spans[0][0]:spans[0][1]] if len(spans) == 1 else torch.cat([values[lo:hi] for lo, hi in spans])
 
-    Rank 0 can write it to a single checkpoint file; :meth:`ScapeState.load_state_dict` on each
-    rank takes its own residual back (or the mean, at another world size).
 
-    Example:
-        >>> state = ScapeState(ddp, sparsity=0.9)
-        >>> full = gather_state_dict(state)       # collective: every rank calls it
-        >>> len(full["residuals"]) == dist.get_world_size()     # rank 0 then saves it
-        True
-    """
-    own = state.state_dict()
-    names = sorted(own["residual"])
-    numels = [state.params[n].numel() for n in names]
-    local = torch.cat([own["residual"][n] for n in names]) if names else torch.zeros(0)
-    all_names: list[Any] = [None] * state.world_size
-    dist.all_gather_object(all_names, names, group=state.process_group)
-    if any(n != names for n in all_names):
-        raise RuntimeError("ranks hold residuals for different parameters; cannot gather")
-    device = next(iter(state.params.values())).device
-    out = [torch.empty_like(local, device=device) for _ in range(state.world_size)]
-    dist.all_gather(out, local.to(device), group=state.process_group)
-    full = {k: v for k, v in own.items() if k not in ("residual", "rank")}
-    full["residuals"] = [dict(zip(names, o.cpu().split(numels))) for o in out]
-    return full
+def _scatter_spans(out: Tensor, spans: list[tuple[int, int]], values: Tensor) -> None:
+    """The inverse of :func:`_gather_spans`: ``values`` written into ``out``'s spans."""
+    offset = 0
+    for lo, hi in spans:
+        out[lo:hi].copy_(values[offset:offset + hi - lo])
+        offset += hi - lo

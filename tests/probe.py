@@ -44,14 +44,13 @@ def snapshot(state: ScapeState, opt: ScapeAdamS) -> dict:
     out: dict = {"step": state.step, "param": {}, "m": {}, "sq": {}, "last_sync": {}, "residual": {}}
     for name, p in state.params.items():
         out["param"][name] = _flat(p)
-        s = opt.state.get(p, {})
-        out["m"][name] = _flat(s["exp_avg"]) if "exp_avg" in s else torch.zeros(p.numel(), dtype=torch.float64)
-        if "sq" in s:
-            out["sq"][name] = _flat(s["sq"])
-        if "synced_at" in s:  # the optimizer step (from 1) of the last sync; no skipped steps in these runs
-            out["last_sync"][name] = s["synced_at"].detach().reshape(-1).to(torch.int64).cpu() - 1
-        r = state.residuals.get(name)
-        out["residual"][name] = _flat(r) if r is not None else torch.zeros(p.numel(), dtype=torch.float64)
+        out["m"][name] = _flat(opt.state[p]["exp_avg"])
+        if "sq" in opt.state[p]:
+            out["sq"][name] = _flat(opt.state[p]["sq"])
+        window = state.window(name)
+        if window is not None:
+            out["last_sync"][name] = window.to(torch.int64).cpu().clone()
+        out["residual"][name] = _flat(state.residual(name))
     return out
 
 
@@ -59,12 +58,28 @@ def mask(state: ScapeState, step: int) -> dict[str, Tensor] | None:
     """The mask exchanged at ``step`` (sorted flat indices per name); ``None`` on a dense step."""
     if state.is_dense(step):
         return None
-    return {n: i.to(torch.int64).cpu().sort().values for n, i in state.masks[step].items()}
+    entries = state.masks[step].flat(state.layout).cpu()
+    out = {}
+    for name in state.params:
+        start = state.layout.first_row[name] * state.layout.chunk
+        inside = entries[(entries >= start) & (entries < start + state.layout.numel[name])]
+        out[name] = (inside - start).sort().values
+    return out
 
 
 def selection_groups(state: ScapeState, step: int) -> list[Group]:
-    """The top-k groups of the mask used at ``step``."""
-    replicated = state.config.resolved_score in ("age_momentum", "momentum")
-    layout = state.layout_at(step)
-    return [Group(slot.name, slot.start, slot.size, None if replicated else rank)
-            for rank in range(state.world_size) for slot in layout.partition(rank)]
+    """The top-k groups of the mask used at ``step``: each row of ``chunk`` coordinates of a parameter."""
+    layout, chunk = state.layout, state.layout.chunk
+    groups = []
+    for name in state.params:
+        for i in range(layout.nrows[name]):
+            row = layout.first_row[name] + i
+            owner = None if state.config.replicated_score else _owner(state, row)
+            groups.append(Group(name, i * chunk, min(chunk, layout.numel[name] - i * chunk), owner))
+    return groups
+
+
+def _owner(state: ScapeState, row: int) -> int:
+    """The rank whose partition of rows holds ``row`` (it scores it from its own residual)."""
+    rows, world = state.layout.rows, state.world_size
+    return next(r for r in range(world) if rows * r // world <= row < rows * (r + 1) // world)

@@ -2,14 +2,11 @@
 
 import json
 
-from benchmarks.convergence import main, parse_method, ramp_schedule
+from benchmarks.convergence import main, parse_method
 
 
-def test_parse_method_and_ramp():
+def test_parse_method():
     assert parse_method("scape99+update=linear+ramp=150") == dict(kind="scape", sparsity=0.99, update="linear", ramp=150)
-    density_at = ramp_schedule(warmup=10, ramp=30, density=0.01)
-    assert [density_at(s) for s in (10, 19, 20, 30, 39, 40, 500)] == [0.25, 0.25, 0.0625, 0.015625, 0.015625, 0.01, 0.01]
-    assert ramp_schedule(warmup=10, ramp=30, density=0.1)(25) == 0.1  # stages below the target are skipped
 
 
 def test_tiny_run_and_report(tmp_path, capsys):

@@ -1,23 +1,18 @@
-"""Property tests for partitioning, top-k selection and the mask encoding."""
+"""Property tests for the flat layout, fixed-shape masks and their top-k selection."""
 
 import torch
 from hypothesis import given, settings, strategies as st
 
-from scape_core.masks import (MaskLayout, decode_picks, encode_picks, encoded_bytes, mask_encoding,
-                              partition_bounds, select_topk, topk_count)
+from scape_core.layout import FlatLayout, topk_count
+from scape_core.masks import Mask, select, strided
 
-numels = st.integers(min_value=0, max_value=3000)
-worlds = st.integers(min_value=1, max_value=64)
-densities = st.sampled_from([1e-6, 0.001, 0.01, 0.1, 0.5, 0.999999, 1.0])
+densities = st.sampled_from([1e-6, 0.001, 0.01, 0.1, 0.25, 0.5, 0.999999])
+sizes = st.lists(st.integers(1, 300), min_size=1, max_size=5)
+chunks = st.sampled_from([16, 32, 64, 128])
 
 
-@given(numels, worlds)
-def test_partitions_tile_the_parameter(numel, world):
-    bounds = partition_bounds(numel, world)
-    assert len(bounds) == world and bounds[0][0] == 0 and bounds[-1][1] == numel
-    assert all(a[1] == b[0] for a, b in zip(bounds, bounds[1:]))
-    sizes = [e - s for s, e in bounds]
-    assert max(sizes) - min(sizes) <= 1
+def layout_of(numels: list[int], chunk: int) -> FlatLayout:
+    return FlatLayout({f"p{i}": torch.zeros(n) for i, n in enumerate(numels)}, chunk)
 
 
 @given(st.integers(0, 500), densities)
@@ -28,73 +23,75 @@ def test_topk_count_is_the_rounded_up_share(size, density):
         assert density * size - 1e-6 <= k < density * size + 1 and k >= 1
 
 
+@given(sizes, chunks)
+def test_views_tile_the_parameters_without_overlap(numels, chunk):
+    layout = layout_of(numels, chunk)
+    buffer = layout.zeros()
+    for i, n in enumerate(numels):
+        view = layout.view(buffer, f"p{i}")
+        assert view.numel() == n and view.is_contiguous()
+        view += i + 1
+    assert int((buffer != 0).sum()) == sum(numels)  # every coordinate once, padding untouched
+    assert layout.rows == sum(-(-n // chunk) for n in numels)
+    for i, n in enumerate(numels):
+        assert torch.all(layout.view(buffer, f"p{i}") == i + 1)
+
+
 @settings(max_examples=60, deadline=None)
-@given(st.integers(0, 400), densities, st.integers(0, 2**31 - 1))
-def test_encoding_round_trips_and_is_the_smaller(size, density, seed):
-    k = topk_count(size, density)
+@given(sizes, chunks, densities, st.integers(0, 2**31 - 1), st.booleans())
+def test_select_takes_the_best_of_every_row_and_the_entries_are_each_rows_share(numels, chunk, density, seed,
+                                                                                with_exclude):
+    layout = layout_of(numels, chunk)
+    shape = layout.mask_shape(density)
     g = torch.Generator().manual_seed(seed)
-    picks = torch.randperm(size, generator=g)[:k].sort().values
-    data = encode_picks(picks, size, k)
-    assert data.dtype == torch.uint8 and data.numel() == encoded_bytes(size, k)
-    assert encoded_bytes(size, k) == min(4 * k, (size + 7) // 8)
-    assert mask_encoding(size, k) == ("indices" if 4 * k <= (size + 7) // 8 else "bitmap")
-    assert torch.equal(decode_picks(data, size, k), picks)
+    score = torch.rand(layout.rows, chunk, generator=g)
+    exclude = Mask(density, torch.randint(0, chunk, (layout.rows, shape.k), generator=g).to(torch.int16)) \
+        if with_exclude else None
+    mask = Mask(density, select(score.clone(), layout, shape, exclude))
+    assert mask.cols.shape == (layout.rows, shape.k) and mask.cols.dtype == torch.int16
+    entries = mask.flat(layout)
+    assert entries.numel() == shape.entries and entries.unique().numel() == entries.numel()
+    for i, n in enumerate(numels):  # per parameter: each row's share, the best scores, nothing excluded if avoidable
+        first = layout.first_row[f"p{i}"]
+        for r in range(-(-n // chunk)):
+            length = min(chunk, n - r * chunk)
+            lo = (first + r) * chunk
+            picked = entries[(entries >= lo) & (entries < lo + length)] - lo
+            assert picked.numel() == topk_count(length, density)
+            row = score[first + r, :length].clone()
+            free = torch.ones(length, dtype=torch.bool)
+            if exclude is not None:
+                free[exclude.cols[first + r].long()[exclude.cols[first + r].long() < length]] = False
+            if picked.numel() and int(free.sum()) >= picked.numel():
+                assert free[picked].all()
+                left = free.clone()
+                left[picked] = False
+                if left.any():
+                    assert row[picked].min() >= row[left].max()
 
 
-@settings(max_examples=40, deadline=None)
-@given(st.integers(1, 300), st.integers(0, 300), st.integers(0, 2**31 - 1))
-def test_select_topk_picks_the_largest_outside_exclude(size, k, seed):
-    k = min(k, size)
-    g = torch.Generator().manual_seed(seed)
-    score = torch.rand(size, generator=g)
-    exclude = torch.randperm(size, generator=g)[: size // 3]
-    got = select_topk(score, k, exclude)
-    assert got.numel() == k and torch.equal(got, got.sort().values) and got.unique().numel() == k
-    free = torch.ones(size, dtype=torch.bool)
-    free[exclude] = False
-    if k <= int(free.sum()):
-        assert free[got].all()
-        if k:  # every pick scores at least as high as every free coordinate left out
-            left = free.clone()
-            left[got] = False
-            if left.any():
-                assert score[got].min() >= score[left].max()
+@given(sizes, chunks, densities)
+def test_strided_masks_have_every_rows_share(numels, chunk, density):
+    layout = layout_of(numels, chunk)
+    shape = layout.mask_shape(density)
+    entries = strided(layout, shape).flat(layout)
+    assert entries.numel() == shape.entries and entries.unique().numel() == entries.numel()
+    real = torch.zeros(layout.rows * chunk, dtype=torch.bool)
+    for i in range(len(numels)):
+        layout.view(real.view(layout.rows, chunk), f"p{i}").fill_(True)
+    assert real[entries].all()  # never a padding coordinate
 
 
-@settings(max_examples=40, deadline=None)
-@given(st.lists(st.integers(0, 700), min_size=1, max_size=5), worlds, densities, st.integers(0, 2**31 - 1))
-def test_layout_gathers_every_ranks_picks(sizes, world, density, seed):
-    numels = {f"p{i}": n for i, n in enumerate(sizes)}
-    layout = MaskLayout(numels, world, density)
-    g = torch.Generator().manual_seed(seed)
-    payloads, want = [], {n: [] for n in numels}
-    for r in range(world):
-        picks = {}
-        for slot in layout.partition(r):
-            picks[slot.name] = torch.randperm(slot.size, generator=g)[: slot.k].sort().values
-            want[slot.name].append(picks[slot.name] + slot.start)
-        payload = layout.encode(r, picks)
-        assert payload.numel() == layout.payload_bytes
-        payloads.append(payload)
-    got = layout.decode(payloads)
-    for n in numels:
-        expect = torch.cat(want[n]) if want[n] else torch.empty(0, dtype=torch.long)
-        assert torch.equal(got[n], expect)
-        assert got[n].numel() == layout.k(n)
-        assert got[n].numel() == 0 or int(got[n].max()) < numels[n]
-    strided = layout.strided()
-    assert all(strided[n].numel() == layout.k(n) and strided[n].unique().numel() == layout.k(n) for n in numels)
-
-
-def test_sampled_topk_picks_the_same_set_as_a_full_topk():
-    g = torch.Generator().manual_seed(0)
-    for n, density in ((300_000, 0.1), (300_000, 0.01), (300_000, 0.001), (40_000, 0.01), (40_000, 0.2)):
-        k = topk_count(n, density)
-        score = torch.rand(n, generator=g) ** 4
-        score[: n // 3] = 0.0  # many ties at zero, as for coordinates with no momentum yet
-        exclude = torch.randperm(n, generator=g)[: n // 20].sort().values
-        want = score.clone()
-        want[exclude] = -1.0
-        want = want.topk(k).indices.sort().values
-        got = select_topk(score.clone(), k, exclude)
-        assert torch.equal(got, want), density
+@given(sizes, chunks, densities)
+def test_bucket_ranges_cover_each_parameters_entries_once(numels, chunk, density):
+    layout = layout_of(numels, chunk)
+    shape = layout.mask_shape(density)
+    names = tuple(f"p{i}" for i in range(len(numels)))
+    halves = (names[::2], names[1::2])  # two "buckets" of interleaved parameters
+    covered = torch.zeros(shape.entries, dtype=torch.int32)
+    for bucket in halves:
+        for lo, hi in shape.ranges(bucket):
+            covered[lo:hi] += 1
+        assert shape.entries_of(bucket) == sum(hi - lo for lo, hi in shape.ranges(bucket))
+    assert torch.all(covered == 1)
+    assert shape.ranges(names) == ([(0, shape.entries)] if shape.entries else [])

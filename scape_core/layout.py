@@ -1,0 +1,175 @@
+"""Flat buffers: every parameter's coordinates in rows of ``chunk`` values, with named views.
+
+SCAPE keeps one value per coordinate in several buffers (the residual, ``m``, the update rule's
+statistics, the windows). Each is one ``(rows, chunk)`` tensor laid out by :class:`FlatLayout`:
+parameters in model order, each starting a new row and taking ``ceil(numel / chunk)`` rows, its
+last row padded when ``numel`` is not a multiple of ``chunk``. A parameter's coordinates are one
+contiguous view of the flat buffer (:meth:`FlatLayout.view`), so checkpoints stay keyed by name
+and multi-tensor kernels act on every parameter at once.
+
+Masks pick coordinates per row (:class:`MaskShape`): ``k = ceil(density * chunk)`` per full row,
+``ceil(density * len)`` in a parameter's shorter last row, so every parameter exchanges its
+share whatever its size, and a mask has the same shape at every step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+MAX_CHUNK = 32_768  # chunk-local columns fit int16
+
+
+def topk_count(size: int, density: float) -> int:
+    """Coordinates a row of ``size`` exchanges: ``ceil(density * size)``, at most ``size``.
+
+    Example:
+        >>> topk_count(4096, 0.01), topk_count(64, 0.01), topk_count(0, 0.5)
+        (41, 1, 0)
+    """
+    if size <= 0 or density <= 0.0:
+        return 0
+    return min(size, math.ceil(density * size - 1e-9))  # 1e-9: 0.01 * 100 is 1.0000000000000002
+
+
+class FlatLayout:
+    """Where each parameter's coordinates sit in SCAPE's ``(rows, chunk)`` buffers.
+
+    Example:
+        >>> layout = FlatLayout({"w": torch.zeros(3, 4), "b": torch.zeros(3)}, chunk=8)
+        >>> layout.rows, layout.first_row, layout.partial_len
+        (3, {'w': 0, 'b': 2}, [4, 3])
+        >>> buffer = layout.zeros()
+        >>> layout.view(buffer, "b").fill_(1.0).shape, int(buffer.sum())
+        (torch.Size([3]), 3)
+    """
+
+    def __init__(self, params: dict[str, Tensor], chunk: int) -> None:
+        if not params:
+            raise ValueError("no parameters to lay out")
+        devices = {p.device for p in params.values()}
+        if len(devices) > 1:
+            raise ValueError(f"SCAPE needs every parameter on one device, got {sorted(map(str, devices))}")
+        self.device = devices.pop()
+        self.chunk = chunk
+        self.numel = {n: p.numel() for n, p in params.items()}
+        self.first_row: dict[str, int] = {}
+        self.nrows: dict[str, int] = {}
+        full, partial, self.partial_len = [], [], []
+        row = 0
+        for name, numel in self.numel.items():
+            whole, rest = divmod(numel, chunk)
+            self.first_row[name], self.nrows[name] = row, whole + (rest > 0)
+            full.extend(range(row, row + whole))
+            if rest:
+                partial.append(row + whole)
+                self.partial_len.append(rest)
+            row += self.nrows[name]
+        self.rows = row
+        self.full_rows = torch.tensor(full, dtype=torch.long, device=self.device)
+        self.partial_rows = torch.tensor(partial, dtype=torch.long, device=self.device)
+        self.row_base = torch.arange(self.rows, device=self.device) * chunk  # flat index of each row's start
+        lens = torch.tensor(self.partial_len, dtype=torch.long, device=self.device)
+        self.padding = torch.arange(chunk, device=self.device) >= lens[:, None]  # (partial rows, chunk)
+        # where each parameter's rows sit in a mask's entries: full rows first, then the shorter ones
+        self._full_pos, self._partial_pos = {}, {}
+        f = p = 0
+        for name, numel in self.numel.items():
+            self._full_pos[name] = (f, f + numel // chunk)
+            f += numel // chunk
+            self._partial_pos[name] = (p, p + (numel % chunk > 0))
+            p += numel % chunk > 0
+        self._shapes: dict[float, MaskShape] = {}
+        self._partial_in: dict[tuple[int, int], tuple[Tensor, Tensor, Tensor] | None] = {}
+
+    def partial_rows_in(self, start: int, stop: int) -> tuple[Tensor, Tensor, Tensor] | None:
+        """The shorter rows inside rows ``[start, stop)``: their index there, their padding columns
+        and their position among all shorter rows (``None`` if there are none). Cached: the first
+        call per range reads the device once, so :class:`~scape_core.ScapeState` warms it at setup."""
+        key = (start, stop)
+        if key not in self._partial_in:
+            which = ((self.partial_rows >= start) & (self.partial_rows < stop)).nonzero().view(-1)
+            self._partial_in[key] = None if not which.numel() else (
+                self.partial_rows.index_select(0, which) - start, self.padding.index_select(0, which), which)
+        return self._partial_in[key]
+
+    def zeros(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """A new ``(rows, chunk)`` buffer of zeros on the parameters' device."""
+        return torch.zeros(self.rows, self.chunk, dtype=dtype, device=self.device)
+
+    def view(self, buffer: Tensor, name: str) -> Tensor:
+        """The flat, contiguous view of ``name``'s coordinates in a ``(rows, chunk)`` buffer."""
+        start = self.first_row[name] * self.chunk
+        return buffer.view(-1)[start:start + self.numel[name]]
+
+    def views(self, buffer: Tensor, names: list[str]) -> list[Tensor]:
+        """:meth:`view` for each of ``names`` (for multi-tensor kernels)."""
+        return [self.view(buffer, n) for n in names]
+
+    def mask_shape(self, density: float) -> "MaskShape":
+        """The fixed shape of every mask of ``density`` (built once per density)."""
+        if density not in self._shapes:
+            self._shapes[density] = MaskShape(self, density)
+        return self._shapes[density]
+
+
+@dataclass
+class _Ranges:
+    spans: list[tuple[int, int]]  # [lo, hi) entry ranges, merged where adjacent
+
+    @property
+    def size(self) -> int:
+        return sum(hi - lo for lo, hi in self.spans)
+
+
+class MaskShape:
+    """What a mask of one density looks like: ``k`` slots per row, and where its entries go.
+
+    A mask's *entries* are the flat indices of its picks in a fixed order: every full row's
+    ``k`` picks (rows in order), then each shorter last row's ``count`` picks. The slots of a
+    shorter row beyond its count are not entries (they point at a padding column).
+    """
+
+    def __init__(self, layout: FlatLayout, density: float) -> None:
+        self.density = density
+        self.k = topk_count(layout.chunk, density)
+        counts = [topk_count(n, density) for n in layout.partial_len]
+        self.partial_counts = counts
+        device = layout.device
+        slots = torch.arange(self.k, device=device)
+        self.partial_valid = slots < torch.tensor(counts, dtype=torch.long, device=device)[:, None]  # (P, k)
+        self.partial_index = self.partial_valid.view(-1).nonzero().view(-1)  # once per density, off the step
+        self.full_entries = layout.full_rows.numel() * self.k
+        self.entries = self.full_entries + sum(counts)
+        self._layout = layout
+        self._offsets = [0]
+        for c in counts:
+            self._offsets.append(self._offsets[-1] + c)
+        self._ranges: dict[tuple[str, ...], _Ranges] = {}
+
+    def ranges(self, names: tuple[str, ...]) -> list[tuple[int, int]]:
+        """The entry ranges of the parameters ``names`` (e.g. one DDP bucket's), merged."""
+        if names not in self._ranges:
+            spans = []
+            for name in names:
+                lo, hi = self._layout._full_pos[name]
+                spans.append((lo * self.k, hi * self.k))
+            for name in names:
+                lo, hi = self._layout._partial_pos[name]
+                spans.append((self.full_entries + self._offsets[lo], self.full_entries + self._offsets[hi]))
+            merged: list[tuple[int, int]] = []
+            for lo, hi in sorted(s for s in spans if s[1] > s[0]):
+                if merged and merged[-1][1] == lo:
+                    merged[-1] = (merged[-1][0], hi)
+                else:
+                    merged.append((lo, hi))
+            self._ranges[names] = _Ranges(merged)
+        return self._ranges[names].spans
+
+    def entries_of(self, names: tuple[str, ...]) -> int:
+        """How many entries the parameters ``names`` have."""
+        self.ranges(names)
+        return self._ranges[names].size

@@ -1,0 +1,31 @@
+"""The mask schedule (scape_core/schedule.py): warm-up, ramp, delay and refresh as one pure object."""
+
+import pytest
+
+from scape_core import ScapeConfig
+from scape_core.schedule import MaskSchedule
+
+
+def test_ramp_stages_then_the_target():
+    s = MaskSchedule(sparsity=0.99, warmup_steps=10, ramp_steps=30)
+    assert [s.density_at(t) for t in (10, 19, 20, 29, 30, 39, 40, 500)] == \
+        [0.25, 0.25, 0.0625, 0.0625, 0.015625, 0.015625, pytest.approx(0.01), pytest.approx(0.01)]
+    assert MaskSchedule(sparsity=0.9, warmup_steps=10, ramp_steps=30).density_at(25) == pytest.approx(0.1)  # only
+    # the stages denser than the target
+    assert MaskSchedule(sparsity=0.99, warmup_steps=10, ramp_steps=0).densities() == (pytest.approx(0.01),)
+    assert ScapeConfig(sparsity=0.99, warmup_steps=10, ramp_steps=30).density_at(20) == 0.0625  # one density_at
+
+
+@pytest.mark.parametrize("delay", [0, 1])
+def test_which_step_selects_which_mask(delay):
+    s = MaskSchedule(sparsity=0.9, warmup_steps=4, ramp_steps=0, mask_delay=delay, mask_refresh=3)
+    assert [s.is_dense(t) for t in range(6)] == [True] * 4 + [False] * 2
+    assert s.target_after(5) == 6 + delay
+    assert [s.selects(t) for t in range(3, 11)] == [False, True, False, False, True, False, False, True]
+    assert s.first_selected() == 4
+    assert MaskSchedule(sparsity=0.9, warmup_steps=0, mask_delay=1).first_selected() == 2  # steps 0, 1: fixed masks
+
+
+def test_sparsity_zero_is_dense_everywhere():
+    s = MaskSchedule(sparsity=0.0)
+    assert s.dense and all(s.is_dense(t) for t in (0, 50, 10_000)) and s.densities() == ()
