@@ -4,12 +4,12 @@ Two ranks (gloo, CPU, one thread each) on the host loopback train the same model
 dense DDP + AdamS and with SCAPE (90%, 99%), interleaved. SCAPE's pieces are timed with
 ``time.perf_counter`` by wrapping the core's functions (nothing in ``scape_core`` changes):
 
-    hook        scape_hook's work on the backward: accumulate (g + residual), compact
-                (gather a[M]), launch the all-reduce; plus finish (residual update, scatter
+    hook        scape_hook's work on the backward: compact (gather g + residual on the mask),
+                launch the all-reduce; plus finish (the residual update, the mean scattered
                 back), which runs in gloo's callback thread
-    selection   ScapeState._select: score, top-k, encode, launch the mask all-gather;
-                plus _finish_pending: wait for it and decode the masks
-    optimizer   the update itself (ScapeAdamS._update, or AdamS.step for dense)
+    selection   ScapeState._select: score and top-k (and, for scores that read the
+                residual, launch the mask all-gather); plus _finish_pending: wait for it
+    optimizer   the update itself (ScapeAdamS._sparse, or AdamS.step for dense)
 
 Overhead = hook + selection per step, as a fraction of the median dense DDP step (target
 <= 10%). Medians over steps, in wall time and in CPU time of the thread that ran the piece
@@ -79,18 +79,16 @@ def instrument() -> None:
     import scape_core.state as state
     from scape_core import AdamS, ScapeAdamS
 
-    TIMER.wrap(hook, "accumulate", "accumulate")
     TIMER.wrap(hook, "compact", "compact")
-    TIMER.wrap(hook, "finish", "finish")
-    TIMER.wrap(state, "select_topk", "topk")  # inside _select
-    TIMER.wrap(state.MaskLayout, "encode", "encode")  # inside _select
+    TIMER.wrap(hook, "finish_sparse", "finish")
+    TIMER.wrap(state, "select", "topk")  # inside _select
     TIMER.wrap(state.ScapeState, "_select", "select")
-    TIMER.wrap(state.ScapeState, "_finish_pending", "mask_wait_decode")
+    TIMER.wrap(state.ScapeState, "_finish_pending", "mask_wait")
     TIMER.wrap(state.ScapeState, "end_step", "end_step")
-    TIMER.wrap(ScapeAdamS, "_update", "optimizer")
+    TIMER.wrap(ScapeAdamS, "_sparse", "optimizer")
     TIMER.wrap(AdamS, "step", "adams_step")  # ScapeAdamS overrides step: this is dense only
     TIMER.wrap(hook.dist, "all_reduce", "allreduce_launch")
-    TIMER.wrap(state.dist, "all_gather", "gather_launch")  # inside _select
+    TIMER.wrap(state.dist, "all_gather_into_tensor", "gather_launch")  # inside _select (scores read per rank)
 
 
 def build(name: str, base: torch.nn.Module, warmup: int, mask_refresh: int) -> tuple[Any, Any]:
@@ -127,16 +125,15 @@ def step(model: Any, opt: Any, x: torch.Tensor, y: torch.Tensor) -> dict[str, di
 
 def derive(p: dict[str, float]) -> dict[str, float]:
     """Raw wrapper times -> the report's components (nested wrappers subtracted once)."""
-    hook = p.get("accumulate", 0) + p.get("compact", 0) + p.get("allreduce_launch", 0) + p.get("finish", 0)
-    selection = p.get("select", 0) + p.get("mask_wait_decode", 0)
+    hook = p.get("compact", 0) + p.get("allreduce_launch", 0) + p.get("finish", 0)
+    selection = p.get("select", 0) + p.get("mask_wait", 0)
     optimizer = p.get("optimizer", 0) + p.get("adams_step", 0)
     return dict(step=p["step"], forward_backward=p["forward_backward"], opt_step=p["opt_step"],
-                accumulate=p.get("accumulate", 0), compact=p.get("compact", 0),
-                allreduce_launch=p.get("allreduce_launch", 0), finish=p.get("finish", 0), hook=hook,
-                score=p.get("select", 0) - p.get("topk", 0) - p.get("encode", 0) - p.get("gather_launch", 0),
-                topk=p.get("topk", 0), encode=p.get("encode", 0), gather_launch=p.get("gather_launch", 0),
-                mask_wait_decode=p.get("mask_wait_decode", 0), selection=selection,
-                end_step_other=p.get("end_step", 0) - selection, optimizer=optimizer, overhead=hook + selection)
+                compact=p.get("compact", 0), allreduce_launch=p.get("allreduce_launch", 0), finish=p.get("finish", 0),
+                hook=hook, score=p.get("select", 0) - p.get("topk", 0) - p.get("gather_launch", 0),
+                topk=p.get("topk", 0), gather_launch=p.get("gather_launch", 0), mask_wait=p.get("mask_wait", 0),
+                selection=selection, end_step_other=p.get("end_step", 0) - selection, optimizer=optimizer,
+                overhead=hook + selection)
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -176,9 +173,8 @@ def worker(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-COMPONENTS = ("step", "forward_backward", "opt_step", "hook", "accumulate", "compact", "allreduce_launch", "finish",
-              "selection", "score", "topk", "encode", "gather_launch", "mask_wait_decode", "end_step_other",
-              "optimizer", "overhead")
+COMPONENTS = ("step", "forward_backward", "opt_step", "hook", "compact", "allreduce_launch", "finish",
+              "selection", "score", "topk", "gather_launch", "mask_wait", "end_step_other", "optimizer", "overhead")
 
 
 def report(res: dict[str, Any], args: argparse.Namespace) -> str:
