@@ -44,19 +44,21 @@ class Mask:
         return self._flat
 
 
-def age_momentum_score(m: Tensor, synced_at: Tensor | None, target: int) -> Tensor:
+def age_momentum_score(m: Tensor, synced_at: Tensor | None, target: int, out: Tensor | None = None) -> Tensor:
     """``|m| (n - 1)``, ``n = target - synced_at`` the window a coordinate will have at ``target``.
 
     Every input is replicated, so every rank computes the same score. Before the first sparse
-    step (no windows yet) the score is ``|m|``.
+    step (no windows yet) the score is ``|m|``. ``out``: a buffer to write it into (no temporary
+    of the buffers' size is made, which on the CPU costs more than the arithmetic).
 
     Example:
         >>> age_momentum_score(torch.tensor([[1.0, -2.0]]), torch.tensor([[3, 1]], dtype=torch.int32), target=5)
         tensor([[1., 6.]])
     """
     if synced_at is None:
-        return m.abs()
-    return m.abs().mul_(synced_at.float().neg_().add_(target - 1))
+        return torch.abs(m, out=out)
+    score = torch.sub(synced_at, target - 1, out=out if out is not None else torch.empty_like(m))  # -(n - 1)
+    return score.mul_(m).abs_()
 
 
 def momentum_residual_score(m: Tensor, residual: Tensor | None, beta1: float) -> Tensor:

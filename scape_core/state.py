@@ -147,6 +147,7 @@ class ScapeState:
         self._pending: tuple[int, Any, Tensor] | None = None  # (step, work, gathered columns)
         self._current = _Step()
         self._skipped = torch.zeros((), dtype=torch.long, device=self.layout.device)
+        self._scratch: Tensor | None = None  # the CPU's score buffer (see _workspace)
         self.row_shift = torch.zeros(self.layout.rows, dtype=torch.long, device=self.layout.device)
         self.buckets: dict[tuple[int, int], Any] = {}  # the hook's per-bucket plans
         self.bucket_views: dict[str, Tensor] = {}  # each parameter's gradient view in its DDP bucket
@@ -342,10 +343,11 @@ class ScapeState:
         scheduled = self.masks.get(target - 1) if self.config.mask_delay else None  # being flushed: not twice
         kind = self.config.resolved_score
         if self.config.replicated_score:
+            score = self._workspace()
             if kind == "age_momentum":
-                score = age_momentum_score(momentum, self.window_buffer, target)
+                age_momentum_score(momentum, self.window_buffer, target, out=score)
             else:
-                score = momentum.abs()
+                torch.abs(momentum, out=score)
             self.masks[target] = Mask(shape.density, select(score, self.layout, shape, scheduled))
             return
         rows = self.partition
@@ -362,6 +364,15 @@ class ScapeState:
         self.counters["mask_bytes"] += nbytes
         self.counters["bytes_sent"] += nbytes
         self._pending = (target, work, out)
+
+    def _workspace(self) -> Tensor:
+        """A ``(rows, chunk)`` fp32 scratch buffer for the score. Kept on the CPU, where a fresh buffer
+        this size costs more (page faults) than the arithmetic; on a GPU the caching allocator reuses one."""
+        if self.layout.device.type != "cpu":
+            return torch.empty(self.layout.rows, self.layout.chunk, device=self.layout.device)
+        if self._scratch is None:
+            self._scratch = self.layout.zeros()
+        return self._scratch
 
     def wait(self) -> None:
         """Finish SCAPE's in-flight collectives; call before ``dist.destroy_process_group()``.
