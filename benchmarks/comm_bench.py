@@ -42,7 +42,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -438,27 +438,36 @@ def plot(summary: dict[str, Any], links: dict[str, str], context: int, path: Pat
 
 
 # ----- driver -------------------------------------------------------------------------------
-def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_run_args(p: argparse.ArgumentParser, methods: Sequence[str] = METHODS, batches: str = "1,4") -> None:
+    """The options of one timed run (model, batches, schedule, methods); multinode.py takes them too."""
     p.add_argument("--params", type=float, default=25e6, help="model size target (parameters)")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--context", type=int, default=128, help="tokens per sequence")
-    p.add_argument("--batches", default="1,4", help="per-rank batch sizes (sequences), comma-separated")
+    p.add_argument("--batches", default=batches, help="per-rank batch sizes (sequences), comma-separated")
     p.add_argument("--default-batch", type=int, default=1, help="the batch the targets are judged at")
     p.add_argument("--steps", type=int, default=1, help="timed steps per method per window")
     p.add_argument("--rounds", type=int, default=4, help="interleaved windows per method per batch")
     p.add_argument("--warm", type=int, default=3, help="untimed steps per method first")
     p.add_argument("--scape-warmup", type=int, default=2, help="SCAPE's dense warm-up (< --warm)")
+    p.add_argument("--methods", default=",".join(methods))
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_run_args(p)
     p.add_argument("--gbit", type=float, default=1.0, help="slow link: Gbit/s per rank per direction")
     p.add_argument("--links", default="loopback,slow")
-    p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--timeout", type=float, default=540, help="seconds per link before every rank is killed")
     p.add_argument("--json", default=str(ROOT / "docs" / "comm_bench.json"))
     p.add_argument("--plot", default=str(ROOT / "docs" / "comm_bench.png"))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     p.add_argument("--link", default="", help=argparse.SUPPRESS)  # worker: the inter-node interface to count
-    args = p.parse_args(argv)
+    return check_run_args(p, p.parse_args(argv))
+
+
+def check_run_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """Parse the lists of :func:`add_run_args` and refuse inconsistent values (``p.error``)."""
     args.batches = [int(b) for b in str(args.batches).split(",")]
     args.methods = [m.strip() for m in args.methods.split(",")] if isinstance(args.methods, str) else args.methods
     unknown = set(args.methods) - set(METHODS)
@@ -469,6 +478,26 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     if args.default_batch not in args.batches:
         p.error(f"--default-batch {args.default_batch} is not in --batches {args.batches}")
     return args
+
+
+def worker_argv(args: argparse.Namespace) -> list[str]:
+    """One rank's command line (after ``python``) for the run ``args`` describes; ``--result`` is added later."""
+    return [str(Path(__file__).resolve()), "--worker", "--params", str(args.params), "--layers", str(args.layers),
+            "--context", str(args.context), "--batches", ",".join(map(str, args.batches)),
+            "--default-batch", str(args.default_batch), "--steps", str(args.steps), "--rounds", str(args.rounds),
+            "--warm", str(args.warm), "--scape-warmup", str(args.scape_warmup), "--methods", ",".join(args.methods)]
+
+
+def measure(run: Callable[[list[str]], None], argv: list[str]) -> dict[str, Any]:
+    """``run(argv + ["--result", FILE])`` (it starts the ranks); rank 0's result and the load average around it."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "result.json"
+        load = os.getloadavg()[0]
+        run(argv + ["--result", str(result)])
+        raw = json.loads(result.read_text())
+    raw["loadavg"] = [round(load, 2), round(os.getloadavg()[0], 2)]  # machine noise
+    print(f"  load average (1 min) before/after: {raw['loadavg']}", flush=True)
+    return raw
 
 
 def main() -> None:
@@ -487,11 +516,6 @@ def main() -> None:
         links = [l for l in links if l != "slow"]
     ns = Namespace(f"scape-bench-{os.getpid()}")
     raw: dict[str, Any] = {}
-    worker_argv = [str(Path(__file__).resolve()), "--worker", "--params", str(args.params),
-                   "--layers", str(args.layers), "--context", str(args.context),
-                   "--batches", ",".join(map(str, args.batches)), "--default-batch", str(args.default_batch),
-                   "--steps", str(args.steps), "--rounds", str(args.rounds), "--warm", str(args.warm),
-                   "--scape-warmup", str(args.scape_warmup), "--methods", ",".join(args.methods)]
     t_start = time.time()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that `finally` removes the namespace
     try:
@@ -500,15 +524,9 @@ def main() -> None:
         for link in links:
             if not why:
                 ns.shape(rate_mbit if link == "slow" else None)
-            with tempfile.TemporaryDirectory() as tmp:
-                result = Path(tmp) / "result.json"
-                print(f"[{time.time() - t_start:5.0f}s] link {names[link]}: 2 ranks, {args.methods}", flush=True)
-                load = os.getloadavg()[0]
-                launch(worker_argv + ["--result", str(result)], world, args.timeout,
-                       prefix=None if why else ns.prefix())
-                raw[link] = json.loads(result.read_text())
-                raw[link]["loadavg"] = [round(load, 2), round(os.getloadavg()[0], 2)]  # machine noise
-                print(f"  load average (1 min) before/after: {raw[link]['loadavg']}", flush=True)
+            print(f"[{time.time() - t_start:5.0f}s] link {names[link]}: 2 ranks, {args.methods}", flush=True)
+            raw[link] = measure(lambda argv: launch(argv, world, args.timeout, prefix=None if why else ns.prefix()),
+                                worker_argv(args))
     finally:
         ns.remove()
     summary = summarize(raw, args.batches)
