@@ -380,7 +380,8 @@ def rehearse(nodes: TwoNodes, launcher: str, workdir: Path, flags: Sequence[str]
         raise RuntimeError(f"{launcher}: the example failed (exit codes {[r.returncode for r in runs]}):\n"
                            + tails(out / "logs", 2))
     after = nodes.counters()
-    return {"launcher": launcher, "link": nodes.describe(), "commands": [shown(c) for c in commands],
+    return {"launcher": launcher, "link": nodes.describe(), "environment": f"GLOO_SOCKET_IFNAME={IFACE} OMP_NUM_THREADS=1",
+            "commands": [shown(c) for c in commands],
             "seconds": round(max(r.seconds for r in runs), 1), "summary": json.loads((out / "summary.json").read_text()),
             "veth_bytes": [after[n][IFACE] - before[n][IFACE] for n in (0, 1)],
             "lo_bytes": [after[n]["lo"] - before[n]["lo"] for n in (0, 1)]}
@@ -558,7 +559,8 @@ def rehearsal_line(run: dict) -> str:
     s = run["summary"]
     return (f"- {run['launcher']}: val loss {s['val_loss_before']:.2f} -> {s['val_loss_after']:.2f} in {s['steps']} steps, "
             f"{s['scape']['compression']:.1f}x fewer bytes than dense, {sum(run['veth_bytes']) / 1e6:.0f} MB across "
-            f"the veth ({run['link']}), {run['seconds']:.0f} s\n    " + "\n    ".join(run["commands"]))
+            f"the veth ({run['link']}), {run['seconds']:.0f} s\n    "
+            + "\n    ".join(f"{run['environment']} {c}" for c in run["commands"]))
 
 
 if __name__ == "__main__":
