@@ -288,18 +288,19 @@ def rank_result(out: Path, rank: int) -> RankResult | None:
     return RankResult(params, momenta, residuals, int(step), json.loads(where.read_text()))
 
 
-def node_kill(nodes: TwoNodes, workdir: Path, whole_node: bool = False, steps: int = 40,
+def node_kill(nodes: TwoNodes, workdir: Path, whole_node: bool = False, keep_buckets: bool = True, steps: int = 40,
               step_seconds: float = 0.2, timeout: float = 240) -> dict:
     """Node 1 killed mid-training under ``torchrun --max-restarts 1``, against the same job uninterrupted.
 
     Both ranks of node 1 are SIGKILLed once the first checkpoint exists; torchrun restarts every
     worker, which resume from the last checkpoint. ``whole_node``: its torchrun dies too and a
-    replacement (the same command) starts on it, as a cluster scheduler would. The model's DDP
-    keeps its first bucket layout (``--find-unused-parameters``): at 3+ ranks a rebuilt layout
-    changes gloo's summation order, so the first step after a restart would differ in the last
-    bits (docs/reliability.md).
+    replacement (the same command) starts on it, as a cluster scheduler would. ``keep_buckets``:
+    the model's DDP keeps its first bucket layout (``--find-unused-parameters``); otherwise, at 3+
+    ranks, the layout DDP rebuilds after its first step changes gloo's summation order and the
+    resumed run differs in the last bits (docs/reliability.md).
     """
-    args = ("--steps", str(steps), "--step-seconds", str(step_seconds), "--find-unused-parameters")
+    args = ("--steps", str(steps), "--step-seconds", str(step_seconds),
+            *(["--find-unused-parameters"] if keep_buckets else []))
     _, straight = elastic_job(nodes, workdir / "straight", *args, timeout=timeout)
     crashed_dir = workdir / "crashed"
     events: dict[str, float] = {}
@@ -323,7 +324,16 @@ def node_kill(nodes: TwoNodes, workdir: Path, whole_node: bool = False, steps: i
     resumed = sorted({int(line.split("resumed at step ")[1].split()[0]) for line in logs.splitlines()
                       if "resumed at step " in line})
     return {"straight": straight, "crashed": crashed, "returncodes": [r.returncode for r in runs],
-            "resumed_at": resumed, "whole_node": whole_node, **events}
+            "resumed_at": resumed, "whole_node": whole_node, "keep_buckets": keep_buckets,
+            "difference": parameter_difference(workdir / "straight", crashed_dir), **events}
+
+
+def parameter_difference(a: Path, b: Path) -> dict[str, float]:
+    """How far rank 0's final parameters of two elastic_train.py runs are apart (0 and 0: identical)."""
+    import torch
+
+    x, y = (torch.cat([t.flatten() for t in torch.load(d / "rank0.pt")]) for d in (a, b))
+    return {"values_differing": int((x != y).sum()), "of": x.numel(), "max_abs": float((x - y).abs().max())}
 
 
 def link_loss(nodes: TwoNodes, workdir: Path, timeout_s: float = 10, outage_s: float = 30,
@@ -498,7 +508,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     r.add_argument("--launchers", default=",".join(EXAMPLES))
     r.add_argument("--timeout", type=float, default=600, help="seconds per launch")
     r.add_argument("--json", default=str(ROOT / "docs" / "multinode_rehearsal.json"))
-    f = sub.add_parser("faults", help="a node killed mid-training (twice: its ranks; all of it); a link lost")
+    f = sub.add_parser("faults", help="a node killed mid-training (its ranks; all of it; its ranks with DDP's "
+                                      "bucket rebuild); a link lost")
     f.add_argument("--timeout", type=float, default=10, help="the ranks' collective timeout for the link loss")
     f.add_argument("--outage", type=float, default=30, help="seconds the link stays down")
     f.add_argument("--json", default=str(ROOT / "docs" / "multinode_faults.json"))
@@ -535,9 +546,10 @@ def main() -> None:
         report = {"command": " ".join(["python", "benchmarks/multinode.py"] + sys.argv[1:]), "machine": machine(),
                   "core": core_version()}
         with TwoNodes() as nodes, tempfile.TemporaryDirectory() as tmp:
-            for whole in (False, True):
-                result = node_kill(nodes, Path(tmp) / f"kill{int(whole)}", whole_node=whole)
-                report[f"node_kill{'_whole' if whole else ''}"] = describe_kill(result)
+            for name, whole, keep in (("node_kill", False, True), ("node_kill_whole", True, True),
+                                      ("node_kill_ddp_rebuilds_buckets", False, False)):
+                result = node_kill(nodes, Path(tmp) / name, whole_node=whole, keep_buckets=keep)
+                report[name] = describe_kill(result)
             report["link_loss"] = link_loss(nodes, Path(tmp), timeout_s=args.timeout, outage_s=args.outage)
         text = json.dumps({k: v for k, v in report.items() if k not in ("machine", "core")}, indent=1)
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
@@ -549,7 +561,8 @@ def describe_kill(result: dict) -> dict:
     """A node_kill result as plain values: did it restart, resume, and end where the straight run did."""
     same = [c is not None and s is not None and (c.params, c.momenta, c.residuals, c.step)
             == (s.params, s.momenta, s.residuals, s.step) for c, s in zip(result["crashed"], result["straight"])]
-    return {"returncodes": result["returncodes"], "whole_node": result["whole_node"], "killed": result.get("killed"),
+    return {"returncodes": result["returncodes"], "whole_node": result["whole_node"],
+            "keep_buckets": result["keep_buckets"], "difference": result["difference"], "killed": result.get("killed"),
             "killed_at_s": result.get("killed_at"), "resumed_at_step": result["resumed_at"],
             "bit_identical_per_rank": same, "replicas_identical": len({(c.params, c.momenta) for c in result["crashed"]
                                                                         if c is not None}) == 1}

@@ -4,8 +4,8 @@
 
 With ``--fail-at N`` rank 1 kills itself once, at step N (a marker file prevents a second death);
 torchrun restarts every worker, which resume from the last checkpoint. Each rank finally writes
-a hash of its parameters, momenta and residuals to OUT/rank{r}.txt, and where it ran (node,
-network namespace, the launcher's variables) to OUT/rank{r}.json. ``--step-seconds`` slows the
+a hash of its parameters, momenta and residuals to OUT/rank{r}.txt, its parameters to
+OUT/rank{r}.pt, and where it ran (node, network namespace, the launcher's variables) to OUT/rank{r}.json. ``--step-seconds`` slows the
 steps down so that a harness can kill a node or cut its link mid-training (benchmarks/multinode.py);
 ``--timeout`` bounds every collective.
 """
@@ -103,6 +103,7 @@ def main() -> None:
     (args.out / f"rank{rank}.txt").write_text(
         f"{digest(model.parameters())} {digest(moments)} {digest(residuals)} {state.step}\n")
     (args.out / f"rank{rank}.json").write_text(json.dumps(where()))
+    torch.save([p.detach() for p in model.parameters()], args.out / f"rank{rank}.pt")
     state.wait()  # the next mask's all-gather is still in flight
     dist.destroy_process_group()
 
