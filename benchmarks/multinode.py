@@ -169,7 +169,12 @@ def _parent(pid: int) -> int:
 # ----- launchers ------------------------------------------------------------------------------
 def torchrun(nodes: TwoNodes, node: int, argv: Sequence[str], max_restarts: int = 0,
              run_id: str = "scape-mn") -> list[str]:
-    """``torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d ...`` for ``node`` (``argv``: script + args)."""
+    """``torchrun --nnodes 2 --nproc-per-node 2 --rdzv-backend c10d ...`` for ``node`` (``argv``: script + args).
+
+    Example:
+        >>> shown(torchrun(TwoNodes(), 1, ["train.py"]))  # doctest: +ELLIPSIS
+        'torchrun --nnodes 2 ... --rdzv-conf is_host=0 --local-addr 10.231.0.2 --max-restarts 0 train.py'
+    """
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", str(RANKS_PER_NODE),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"{nodes.addresses[0]}:{PORT}", "--rdzv-id", run_id,
             "--rdzv-conf", f"is_host={int(node == 0)}", "--local-addr", nodes.addresses[node],
