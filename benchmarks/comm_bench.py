@@ -42,7 +42,7 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -55,7 +55,6 @@ ROOT = Path(__file__).resolve().parent.parent
 METHODS = ("no-comm + AdamS", "DDP + AdamW", "DDP + AdamS", "PowerSGD r4 + AdamW", "SCAPE 90%", "SCAPE 99%")
 DENSE = "DDP + AdamW"
 BOUND = "no-comm + AdamS"
-TX = Path("/sys/class/net/lo/statistics/tx_bytes")
 
 
 # ----- counting what is handed to collectives ---------------------------------------------
@@ -141,15 +140,22 @@ def build(name: str, base: nn.Module, warmup_steps: int) -> Method:
     return Method(name, ddp, ScapeAdamS(ddp.parameters(), state, **hp), scape=state)
 
 
-def tx_bytes() -> int:
-    return int(TX.read_text()) if TX.exists() else -1
+def tx_bytes(iface: str = "lo") -> int:
+    """Bytes sent through ``iface`` of this process's network namespace (-1 if there is none)."""
+    path = Path(f"/sys/class/net/{iface}/statistics/tx_bytes")
+    return int(path.read_text()) if path.exists() else -1
 
 
-def window(m: Method, batch: int, steps: int, barrier_bytes: int) -> None:
+def counters(ifaces: dict[str, str]) -> dict[str, int]:
+    """``{key: tx_bytes(interface)}`` for ``ifaces`` such as ``{"lo_bytes": "lo"}``."""
+    return {key: tx_bytes(name) for key, name in ifaces.items()}
+
+
+def window(m: Method, batch: int, steps: int, ifaces: dict[str, str], barrier_bytes: dict[str, int]) -> None:
     """``steps`` timed steps of ``m``, between barriers so the interface counters belong to it."""
     before = m.scape.stats() if m.scape is not None else None
     dist.barrier()
-    tx0 = tx_bytes()
+    tx0 = counters(ifaces)
     counted0 = dict(COUNTER.totals[m.name])
     COUNTER.method = m.name
     for _ in range(steps):
@@ -159,9 +165,9 @@ def window(m: Method, batch: int, steps: int, barrier_bytes: int) -> None:
         m.cpu[batch].append(cpu)
     COUNTER.method = None
     dist.barrier()  # gloo's barrier also waits for collectives still in flight (SCAPE's mask)
-    tx1 = tx_bytes()
+    tx1 = counters(ifaces)
     w = {k: COUNTER.totals[m.name][k] - counted0.get(k, 0) for k in ("calls", "values", "bytes")}
-    w.update(steps=steps, lo_bytes=tx1 - tx0 - barrier_bytes)
+    w.update(steps=steps, **{k: tx1[k] - tx0[k] - barrier_bytes[k] for k in ifaces})
     if before is not None:
         after = m.scape.stats()
         w.update({f"scape_{k}": after[k] - before[k] for k in ("values_sent", "bytes_sent", "mask_bytes")})
@@ -180,14 +186,17 @@ def worker(args: argparse.Namespace) -> None:
         m.data = {b: batches(data, b, args.context, seed=1000 * rank + b) for b in args.batches}
     COUNTER.install()
 
+    # the interfaces of this rank's namespace: its loopback, and the link to other nodes if any
+    ifaces = {"lo_bytes": "lo", **({"link_bytes": args.link} if args.link else {})}
     dist.barrier()
     empty = []
-    for _ in range(3):  # what two barriers and a counter read cost on the interface
-        t0 = tx_bytes()
+    for _ in range(3):  # what two barriers and a counter read cost on each interface
+        t0 = counters(ifaces)
         dist.barrier()
         dist.barrier()
-        empty.append(tx_bytes() - t0)
-    barrier_bytes = min(empty)
+        t1 = counters(ifaces)
+        empty.append({k: t1[k] - t0[k] for k in ifaces})
+    barrier_bytes = {k: min(e[k] for e in empty) for k in ifaces}
 
     for m in methods:  # untimed: DDP's bucket rebuild, PowerSGD's and SCAPE's dense warm-up
         for _ in range(args.warm):
@@ -196,36 +205,58 @@ def worker(args: argparse.Namespace) -> None:
         for r in range(args.rounds):
             order = methods[r % len(methods):] + methods[:r % len(methods)]  # rotate: no fixed slot
             for m in order:
-                window(m, batch, args.steps, barrier_bytes)
+                window(m, batch, args.steps, ifaces, barrier_bytes)
+    # each node's local rank 0 read its own namespace's interfaces; the other ranks' reads repeat them
+    leader = int(os.environ.get("LOCAL_RANK", rank)) == 0
     gathered: list[Any] = [None] * world
-    dist.all_gather_object(gathered, {m.name: (dict(m.times), dict(m.cpu)) for m in methods})
+    dist.all_gather_object(gathered, {m.name: (dict(m.times), dict(m.cpu), dict(m.windows) if leader else None)
+                                      for m in methods})
     if rank == 0:
-        out = {"params": count_params(base), "world_size": world, "context": args.context,
+        nodes = sum(1 for g in gathered if g[methods[0].name][2] is not None) if methods else 1
+        out = {"params": count_params(base), "world_size": world, "nodes": nodes, "context": args.context,
                "barrier_bytes": barrier_bytes, "methods": {}}
         for m in methods:
             per_step = {b: [max(g[m.name][0][b][i] for g in gathered) for i in range(len(m.times[b]))]
                         for b in args.batches}
             cpu = {b: [median([g[m.name][1][b][i] for g in gathered]) for i in range(len(m.cpu[b]))]
                    for b in args.batches}
-            out["methods"][m.name] = {"times": per_step, "cpu": cpu, "windows": dict(m.windows), "final_loss": m.loss}
+            windows = node_sums([g[m.name][2] for g in gathered if g[m.name][2] is not None], list(ifaces))
+            out["methods"][m.name] = {"times": per_step, "cpu": cpu, "windows": windows, "final_loss": m.loss}
         Path(args.result).write_text(json.dumps(out))
     dist.destroy_process_group()
 
 
+def node_sums(per_node: list[dict[int, list[dict[str, int]]]], keys: list[str]) -> dict[int, list[dict[str, int]]]:
+    """The first node's windows with the interface counters ``keys`` summed over every node."""
+    out = copy.deepcopy(per_node[0])
+    for batch, windows in out.items():
+        for i, w in enumerate(windows):
+            for k in keys:
+                w[k] = sum(node[batch][i][k] for node in per_node)
+    return out
+
+
 # ----- the slow link: a network namespace with a rate-limited loopback ----------------------
 class Namespace:
-    """A network namespace whose only interface is its own loopback; removed by :meth:`remove`."""
+    """A network namespace whose only interface is its own loopback; removed by :meth:`remove`.
 
-    def __init__(self, name: str) -> None:
+    ``stale_prefix``: names ``<stale_prefix><pid>[-...]`` whose pid is gone were left by a killed
+    run of the same harness and are removed by :meth:`create`; no other namespace is touched.
+    """
+
+    def __init__(self, name: str, stale_prefix: str = "scape-bench-") -> None:
         self.name = name
+        self.stale_prefix = stale_prefix
         self.created = False
 
     @staticmethod
-    def unavailable() -> str | None:
-        """Why namespaces cannot be used here, or None; installs iproute2 (apt) if root lacks it."""
+    def unavailable(install: bool = True) -> str | None:
+        """Why namespaces cannot be used here, or None; installs iproute2 (apt) if root lacks it and ``install``."""
         if os.geteuid() != 0:
-            return "not root: creating a network namespace and shaping its loopback needs root"
+            return "not root: creating a network namespace and shaping its interfaces needs root"
         if not (shutil.which("ip") and shutil.which("tc")):
+            if not install:
+                return "`ip`/`tc` missing (install iproute2)"
             print("`ip`/`tc` missing: installing iproute2 with apt-get", flush=True)
             try:
                 subprocess.run(["apt-get", "install", "-y", "--no-install-recommends", "iproute2"],
@@ -241,8 +272,8 @@ class Namespace:
         self._ip("netns", "del", self.name, check=False)  # a stale one of the same name
         listed = self._ip("netns", "list", check=False).stdout.split()
         for stale in listed:  # left by a run that was killed (its pid is gone)
-            pid = stale.removeprefix("scape-bench-")
-            if stale.startswith("scape-bench-") and pid.isdigit() and not Path(f"/proc/{pid}").exists():
+            pid = stale.removeprefix(self.stale_prefix).split("-")[0]
+            if stale.startswith(self.stale_prefix) and pid.isdigit() and not Path(f"/proc/{pid}").exists():
                 self._ip("netns", "del", stale, check=False)
         r = self._ip("netns", "add", self.name, check=False)
         if r.returncode:
@@ -261,8 +292,18 @@ class Namespace:
     def prefix(self) -> list[str]:
         return ["ip", "netns", "exec", self.name]
 
+    def pids(self) -> list[int]:
+        """Every process running inside the namespace."""
+        return [int(p) for p in self._ip("netns", "pids", self.name, check=False).stdout.split()]
+
     def remove(self) -> None:
+        """Kill what still runs inside (a namespace lives on while a process holds it), then delete it."""
         if self.created:
+            for pid in self.pids():
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             self._ip("netns", "del", self.name, check=False)
             self.created = False
 
@@ -279,7 +320,8 @@ def summarize(raw: dict[str, Any], batches_: list[int]) -> dict[str, Any]:
                 ws = m["windows"][str(b)]
                 steps = sum(w["steps"] for w in ws)
                 row = {"time_s": median(times[name]), "times": times[name], "cpu_s": median(m["cpu"][str(b)])}
-                for k in ("values", "bytes", "lo_bytes", "scape_values_sent", "scape_bytes_sent", "scape_mask_bytes"):
+                for k in ("values", "bytes", "lo_bytes", "link_bytes", "scape_values_sent", "scape_bytes_sent",
+                          "scape_mask_bytes"):
                     if k in ws[0]:
                         row[k] = sum(w[k] for w in ws) / steps
                 rows[name] = row
@@ -396,26 +438,36 @@ def plot(summary: dict[str, Any], links: dict[str, str], context: int, path: Pat
 
 
 # ----- driver -------------------------------------------------------------------------------
-def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_run_args(p: argparse.ArgumentParser, methods: Sequence[str] = METHODS, batches: str = "1,4") -> None:
+    """The options of one timed run (model, batches, schedule, methods); multinode.py takes them too."""
     p.add_argument("--params", type=float, default=25e6, help="model size target (parameters)")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--context", type=int, default=128, help="tokens per sequence")
-    p.add_argument("--batches", default="1,4", help="per-rank batch sizes (sequences), comma-separated")
+    p.add_argument("--batches", default=batches, help="per-rank batch sizes (sequences), comma-separated")
     p.add_argument("--default-batch", type=int, default=1, help="the batch the targets are judged at")
     p.add_argument("--steps", type=int, default=1, help="timed steps per method per window")
     p.add_argument("--rounds", type=int, default=4, help="interleaved windows per method per batch")
     p.add_argument("--warm", type=int, default=3, help="untimed steps per method first")
     p.add_argument("--scape-warmup", type=int, default=2, help="SCAPE's dense warm-up (< --warm)")
+    p.add_argument("--methods", default=",".join(methods))
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_run_args(p)
     p.add_argument("--gbit", type=float, default=1.0, help="slow link: Gbit/s per rank per direction")
     p.add_argument("--links", default="loopback,slow")
-    p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--timeout", type=float, default=540, help="seconds per link before every rank is killed")
     p.add_argument("--json", default=str(ROOT / "docs" / "comm_bench.json"))
     p.add_argument("--plot", default=str(ROOT / "docs" / "comm_bench.png"))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
-    args = p.parse_args(argv)
+    p.add_argument("--link", default="", help=argparse.SUPPRESS)  # worker: the inter-node interface to count
+    return check_run_args(p, p.parse_args(argv))
+
+
+def check_run_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """Parse the lists of :func:`add_run_args` and refuse inconsistent values (``p.error``)."""
     args.batches = [int(b) for b in str(args.batches).split(",")]
     args.methods = [m.strip() for m in args.methods.split(",")] if isinstance(args.methods, str) else args.methods
     unknown = set(args.methods) - set(METHODS)
@@ -426,6 +478,26 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     if args.default_batch not in args.batches:
         p.error(f"--default-batch {args.default_batch} is not in --batches {args.batches}")
     return args
+
+
+def worker_argv(args: argparse.Namespace) -> list[str]:
+    """One rank's command line (after ``python``) for the run ``args`` describes; ``--result`` is added later."""
+    return [str(Path(__file__).resolve()), "--worker", "--params", str(args.params), "--layers", str(args.layers),
+            "--context", str(args.context), "--batches", ",".join(map(str, args.batches)),
+            "--default-batch", str(args.default_batch), "--steps", str(args.steps), "--rounds", str(args.rounds),
+            "--warm", str(args.warm), "--scape-warmup", str(args.scape_warmup), "--methods", ",".join(args.methods)]
+
+
+def measure(run: Callable[[list[str]], None], argv: list[str]) -> dict[str, Any]:
+    """``run(argv + ["--result", FILE])`` (it starts the ranks); rank 0's result and the load average around it."""
+    with tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "result.json"
+        load = os.getloadavg()[0]
+        run(argv + ["--result", str(result)])
+        raw = json.loads(result.read_text())
+    raw["loadavg"] = [round(load, 2), round(os.getloadavg()[0], 2)]  # machine noise
+    print(f"  load average (1 min) before/after: {raw['loadavg']}", flush=True)
+    return raw
 
 
 def main() -> None:
@@ -444,11 +516,6 @@ def main() -> None:
         links = [l for l in links if l != "slow"]
     ns = Namespace(f"scape-bench-{os.getpid()}")
     raw: dict[str, Any] = {}
-    worker_argv = [str(Path(__file__).resolve()), "--worker", "--params", str(args.params),
-                   "--layers", str(args.layers), "--context", str(args.context),
-                   "--batches", ",".join(map(str, args.batches)), "--default-batch", str(args.default_batch),
-                   "--steps", str(args.steps), "--rounds", str(args.rounds), "--warm", str(args.warm),
-                   "--scape-warmup", str(args.scape_warmup), "--methods", ",".join(args.methods)]
     t_start = time.time()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that `finally` removes the namespace
     try:
@@ -457,15 +524,9 @@ def main() -> None:
         for link in links:
             if not why:
                 ns.shape(rate_mbit if link == "slow" else None)
-            with tempfile.TemporaryDirectory() as tmp:
-                result = Path(tmp) / "result.json"
-                print(f"[{time.time() - t_start:5.0f}s] link {names[link]}: 2 ranks, {args.methods}", flush=True)
-                load = os.getloadavg()[0]
-                launch(worker_argv + ["--result", str(result)], world, args.timeout,
-                       prefix=None if why else ns.prefix())
-                raw[link] = json.loads(result.read_text())
-                raw[link]["loadavg"] = [round(load, 2), round(os.getloadavg()[0], 2)]  # machine noise
-                print(f"  load average (1 min) before/after: {raw[link]['loadavg']}", flush=True)
+            print(f"[{time.time() - t_start:5.0f}s] link {names[link]}: 2 ranks, {args.methods}", flush=True)
+            raw[link] = measure(lambda argv: launch(argv, world, args.timeout, prefix=None if why else ns.prefix()),
+                                worker_argv(args))
     finally:
         ns.remove()
     summary = summarize(raw, args.batches)

@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> None:
                        drop_last=True)
     val = DataLoader(TokenBlocks(corpus.val, args.block_size), batch_size=args.batch_size)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_decay(args.max_steps))
+    # a prepared scheduler takes one step per process at each optimizer step (Accelerate's convention)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_decay(args.max_steps * accelerator.num_processes))
 
     # --- SCAPE: the plugin prepares everything and turns AdamW into ScapeAdamS ---
     given = dict(sparsity=args.sparsity, warmup_steps=args.warmup_steps, ramp_steps=args.ramp_steps)

@@ -7,6 +7,7 @@ Offline, on 2 CPU processes, in a few minutes (on GPUs, the same command uses th
     python examples/gpt_finetune.py --sparsity 0                     # the dense baseline, for contrast
     python examples/gpt_finetune.py --model smollm2-135m --max-steps 40 --batch-size 4 --val-batches 8
     python examples/gpt_finetune.py --model gpt2 --data my_notes.txt # any hub model, when online
+    torchrun --nnodes 2 --nproc-per-node 2 ... examples/gpt_finetune.py --num-nodes 2   # on each of 2 machines
 
 It validates (perplexity) before and after, then prints validation loss and perplexity, tokens/s,
 the bytes each rank sent against what dense DDP would have sent, and writes a loss-curve PNG.
@@ -115,12 +116,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--devices", type=int, default=None,
                    help="processes: default 2 on CPU, every GPU on a GPU machine")
     p.add_argument("--accelerator", default="auto", help="auto (GPUs when there are any), cpu, gpu...")
+    p.add_argument("--num-nodes", type=int, default=1,
+                   help="machines; above 1, start this script on each with torchrun (README, Multi-node)")
     add_training_args(p, out="runs/gpt_finetune")
     args = check_training_args(p, p.parse_args(argv))
     if args.devices is None:
         args.devices = torch.cuda.device_count() if on_gpu(args) else 2
     elif args.devices < 1:
         p.error(f"--devices must be >= 1, got {args.devices}")
+    if args.num_nodes < 1:
+        p.error(f"--num-nodes must be >= 1, got {args.num_nodes}")
     return args
 
 
@@ -134,11 +139,11 @@ def main(argv: list[str] | None = None) -> dict:
     train = DataLoader(TokenBlocks(corpus.train, args.block_size), batch_size=args.batch_size, shuffle=True,
                        drop_last=True)
     val = DataLoader(TokenBlocks(corpus.val, args.block_size), batch_size=args.batch_size)
-    steps_per_epoch = len(train) // args.devices
+    steps_per_epoch = len(train) // (args.devices * args.num_nodes)
     module = CausalLM(model, args.lr, args.weight_decay, args.max_steps)
     recorder = Recorder(args.warmup_steps)
     trainer = pl.Trainer(
-        accelerator=args.accelerator, devices=args.devices,
+        accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes,
         strategy=lightning_scape.ScapeStrategy(sparsity=args.sparsity, warmup_steps=args.warmup_steps,
                                                 ramp_steps=args.ramp_steps),
         max_steps=args.max_steps, max_epochs=math.ceil(args.max_steps / max(steps_per_epoch, 1)),
