@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,14 +55,18 @@ class ScapeConfig:
     def __post_init__(self) -> None:
         from scape_core.update_rules import UPDATE_RULES  # late: rules import this module
 
-        if isinstance(self.sparsity, bool) or not isinstance(self.sparsity, (int, float)):
-            raise TypeError(f"sparsity must be a float in [0, 1), got {self.sparsity!r}")
-        if not (0.0 <= float(self.sparsity) < 1.0) or math.isnan(self.sparsity):
+        normalized = {  # any real number type (numpy scalars included) is kept as a Python float / int
+            "sparsity": _real_number("sparsity", self.sparsity, "a float in [0, 1)"),
+            "warmup_steps": _check_int("warmup_steps", self.warmup_steps, minimum=0),
+            "mask_delay": _check_int("mask_delay", self.mask_delay),
+            "mask_refresh": _check_int("mask_refresh", self.mask_refresh, minimum=1),
+            "ramp_steps": _check_int("ramp_steps", self.ramp_steps, minimum=0),
+        }
+        for name, value in normalized.items():
+            object.__setattr__(self, name, value)  # the dataclass is frozen
+        if not 0.0 <= self.sparsity < 1.0:
             raise ValueError(f"sparsity must be in [0, 1), got {self.sparsity!r}")
-        _check_int("warmup_steps", self.warmup_steps, minimum=0)
-        _check_int("mask_refresh", self.mask_refresh, minimum=1)
-        _check_int("ramp_steps", self.ramp_steps, minimum=0)
-        if self.mask_delay not in (0, 1) or isinstance(self.mask_delay, bool):
+        if self.mask_delay not in (0, 1):
             raise ValueError(f"mask_delay must be 0 or 1, got {self.mask_delay!r}")
         if not isinstance(self.error_feedback, bool):
             raise TypeError(f"error_feedback must be a bool, got {self.error_feedback!r}")
@@ -123,23 +128,52 @@ class ScapeConfig:
         return dataclasses.asdict(self)
 
 
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if value < minimum:
+def _what(value: Any) -> str:
+    """How an error shows a refused value: a string is called one (YAML may read ``1e-1`` as text)."""
+    return f"the string {value!r}" if isinstance(value, str) else f"{value!r} ({type(value).__name__})"
+
+
+def _real_number(name: str, value: Any, expected: str = "a real number") -> float:
+    """``value`` as a Python float if it is a real number of any type (numpy scalars included), not NaN.
+
+    Example:
+        >>> import numpy as np; _real_number("sparsity", np.float32(0.5))
+        0.5
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be {expected}, got {_what(value)}")
+    if math.isnan(value):
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
+    return float(value)
+
+
+def _check_int(name: str, value: Any, minimum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {_what(value)}")
+    if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
+    return int(value)
 
 
 def check_optimizer_args(lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
-    """Validate AdamS hyperparameters, naming the bad argument."""
-    if not isinstance(lr, float | int) or lr < 0.0:  # tensors are not supported: say so plainly
-        raise ValueError(f"lr must be a non-negative number, got {lr!r}")
+    """Validate AdamS hyperparameters, naming the bad argument (NaN and inf refused, as torch refuses NaN).
+
+    Any real number type is accepted (``np.float32(1e-3)``); tensors are not.
+
+    Example:
+        >>> check_optimizer_args(float("inf"), (0.9, 0.95), 1e-8, 0.0)
+        Traceback (most recent call last):
+        ...
+        ValueError: lr must be a finite number >= 0, got inf
+    """
+    checks = [("lr", lr), ("eps", eps), ("weight_decay", weight_decay)]
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
         raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+    for name, value in checks:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise ValueError(f"{name} must be a finite number >= 0, got {_what(value)}")
+        if not (math.isfinite(value) and value >= 0.0):
+            raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
     for i, b in enumerate(betas):
-        if not 0.0 <= b < 1.0:
+        if isinstance(b, bool) or not isinstance(b, numbers.Real) or not 0.0 <= b < 1.0:
             raise ValueError(f"betas[{i}] must be in [0, 1), got {b!r}")
-    if not eps >= 0.0:
-        raise ValueError(f"eps must be >= 0, got {eps!r}")
-    if not weight_decay >= 0.0:
-        raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")

@@ -240,6 +240,7 @@ def test_environment_round_trip():
     ("error_feedback: maybe\n", "key 'error_feedback'"),
     ("update: nope\n", "key 'update': update must be one of"),
     ("- 0.9\n", "expected a mapping"),
+    ('sparsity: "0.9"\n', "sparsity must be a float in [0, 1), got the string '0.9'"),  # quoted: says so
     ("sparsity: [\n", "not valid YAML"),
 ])
 def test_bad_config_file_names_file_and_key(tmp_path, text, message):
@@ -250,6 +251,16 @@ def test_bad_config_file_names_file_and_key(tmp_path, text, message):
     assert str(file) in str(e.value) and message in str(e.value)
     with pytest.raises(ValueError):  # even where the environment overrides that key
         resolve_settings(environ={"SCAPE_CONFIG_FILE": str(file), "SCAPE_SPARSITY": "0.5"})
+
+
+def test_numbers_as_written_in_yaml_and_numpy(tmp_path):
+    import numpy as np
+
+    file = tmp_path / "scape_config.yaml"
+    file.write_text("sparsity: 1e-1\nwarmup_steps: 10\n")  # PyYAML alone reads 1e-1 as the string '1e-1'
+    assert load_config_file(file) == {"sparsity": 0.1, "warmup_steps": 10}
+    s = resolve_settings({"sparsity": np.float32(0.5), "ramp_steps": np.int64(30)}, environ={"HF_HOME": str(tmp_path)})
+    assert (s.config.sparsity, s.config.ramp_steps) == (0.5, 30)
 
 
 def test_bad_environment_and_arguments(tmp_path):

@@ -247,3 +247,34 @@ def test_long_run_replicas_identical_and_memory_flat():
     assert tensors_late <= tensors_early + 8, (tensors_early, tensors_late)
     assert rss_late - rss_early < 20 * 2**20, (rss_early, rss_late)
     assert stats["steps"] == steps and stats["skipped_steps"] == 0
+
+
+# ----------------------------------------------------------------------------------------
+# What users get wrong (issue 13)
+def test_lr_nan_and_inf_are_refused():
+    from scape_core import AdamS
+
+    for lr in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="lr must be a finite number >= 0"):
+            AdamS(make_model().parameters(), lr=lr)
+        with pytest.raises(ValueError, match="lr must be a finite number >= 0"):
+            AdamS([{"params": make_model().parameters(), "lr": lr}])
+
+
+def test_numbers_of_any_numeric_type_are_accepted():
+    import numpy as np
+
+    from scape_core import AdamS, ScapeConfig
+
+    config = ScapeConfig(sparsity=np.float32(0.5), warmup_steps=np.int64(10), mask_delay=np.int64(0),
+                         ramp_steps=np.uint16(30), mask_refresh=np.int32(2))
+    assert config == ScapeConfig(sparsity=0.5, warmup_steps=10, mask_delay=0, ramp_steps=30, mask_refresh=2)
+    assert type(config.sparsity) is float and type(config.warmup_steps) is int  # checkpoints stay plain types
+    opt = AdamS(make_model().parameters(), lr=np.float32(0.5), betas=(np.float64(0.9), 0.95), weight_decay=np.int64(0))
+    assert opt.param_groups[0]["lr"] == 0.5 and type(opt.param_groups[0]["lr"]) is float
+    with pytest.raises(TypeError, match=r"sparsity must be a float in \[0, 1\), got the string '1e-1'"):
+        ScapeConfig(sparsity="1e-1")
+    with pytest.raises(TypeError, match=r"warmup_steps must be an int, got 2.5 \(float\)"):
+        ScapeConfig(warmup_steps=2.5)
+    with pytest.raises(ValueError, match=r"lr must be a finite number >= 0, got the string '1e-3'"):
+        AdamS(make_model().parameters(), lr="1e-3")
