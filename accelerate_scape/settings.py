@@ -144,6 +144,8 @@ def load_config_file(path: str | os.PathLike) -> dict[str, Any]:
     path = Path(path).expanduser()
     try:
         data = yaml.load(path.read_text(encoding="utf-8"), Loader=_Loader)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}): save it as UTF-8") from None
     except yaml.YAMLError as e:
         raise ValueError(f"{path}: not valid YAML: {e}") from None
     if data is None:
@@ -199,9 +201,12 @@ def write_config_file(config: ScapeConfig, path: str | os.PathLike | None = None
         PosixPath('/tmp/scape_config.yaml')
     """
     path = Path(path).expanduser() if path is not None else default_config_file()
-    path.parent.mkdir(parents=True, exist_ok=True)
     header = "# SCAPE settings for accelerate_scape (written by `accelerate-scape config`)\n"
-    path.write_text(header + yaml.safe_dump(config.to_dict(), sort_keys=False), encoding="utf-8")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(header + yaml.safe_dump(config.to_dict(), sort_keys=False), encoding="utf-8")
+    except OSError as e:  # the same error type, saying which file could not be written
+        raise type(e)(e.errno, f"cannot write the SCAPE config file {path}: {e.strerror}", e.filename) from None
     return path
 
 

@@ -263,6 +263,38 @@ def test_numbers_as_written_in_yaml_and_numpy(tmp_path):
     assert (s.config.sparsity, s.config.ramp_steps) == (0.5, 30)
 
 
+def test_unreadable_and_unwritable_config_files_are_named(tmp_path, capsys):
+    from accelerate_scape.cli import main
+
+    file = tmp_path / "scape_config.yaml"
+    file.write_bytes(b"sparsity: 0.9\xff\n")
+    with pytest.raises(ValueError, match=f"{file}: not UTF-8 text"):
+        load_config_file(file)
+    assert main(["env", "--scape_config_file", str(file)]) == 2
+    assert f"accelerate-scape env: error: {file}: not UTF-8 text" in capsys.readouterr().err
+    blocked = tmp_path / "a_file" / "scape_config.yaml"  # its parent is a file: not writable, even as root
+    (tmp_path / "a_file").write_text("")
+    assert main(["config", "--sparsity", "0.9", "--scape_config_file", str(blocked)]) == 2
+    err = capsys.readouterr().err
+    assert f"accelerate-scape config: error: [Errno 17] cannot write the SCAPE config file {blocked}" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["config", "--help"], ["env", "--help"], ["launch", "--help"]])
+def test_every_help_prints(argv, capsys, monkeypatch):
+    from accelerate_scape.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["accelerate-scape", *argv])  # Accelerate's help formatter reads it
+    with pytest.raises(SystemExit) as exit:
+        main(argv)
+    out = capsys.readouterr().out
+    assert exit.value.code == 0 and out.startswith("usage: accelerate-scape")
+    if argv == ["--help"]:
+        assert all(f"    {command} " in out for command in ("config", "env", "launch"))
+    else:
+        assert argv[0] == "env" or "(25%, 6.25%, 1.6% density)" in " ".join(out.split())
+
+
 def test_bad_environment_and_arguments(tmp_path):
     env = {"HF_HOME": str(tmp_path)}
     with pytest.raises(ValueError, match=r"SCAPE_WARMUP_STEPS='ten'.*expects an int"):
