@@ -33,7 +33,7 @@ SPARSE = dict(sparsity=0.9, warmup_steps=2)
 # ======================================================================================
 # The launched training script
 # ======================================================================================
-def _build(accelerator_kwargs: dict, scape_kwargs: dict, compile: bool = False):
+def _build(accelerator_kwargs: dict, scape_kwargs: dict, compile: bool = False, late_scheduler: bool = False):
     from accelerate import Accelerator
     from torch.optim.lr_scheduler import LambdaLR
     from torch.utils.data import DataLoader, TensorDataset
@@ -49,11 +49,16 @@ def _build(accelerator_kwargs: dict, scape_kwargs: dict, compile: bool = False):
     no_decay = [p for p in model.parameters() if p.ndim <= 1]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                                   lr=1e-2, betas=(0.9, 0.95))
-    scheduler = LambdaLR(optimizer, lambda s: 1.0 / (1.0 + 0.1 * s))
     g = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(128, 16, generator=g), torch.randn(128, 4, generator=g))
     loader = DataLoader(data, batch_size=4)
     scape = ScapePlugin(**scape_kwargs)
+    if late_scheduler:  # built on the user's own optimizer object after scape.prepare, prepared alone
+        mine = optimizer
+        model, optimizer, loader = scape.prepare(accelerator, model, optimizer, loader)
+        scheduler = accelerator.prepare(LambdaLR(mine, lambda s: 1.0 / (1.0 + 0.1 * s)))
+        return accelerator, scape, model, optimizer, loader, scheduler
+    scheduler = LambdaLR(optimizer, lambda s: 1.0 / (1.0 + 0.1 * s))
     model, optimizer, loader, scheduler = scape.prepare(accelerator, model, optimizer, loader, scheduler)
     return accelerator, scape, model, optimizer, loader, scheduler
 
@@ -134,6 +139,10 @@ def _script_main(out: Path) -> None:
     _train(acc, model, opt, loader, sched, 4)
     result["accumulate"] = _report(scape, model, opt, sched)
     result["accumulate"]["model"] = type(model).__name__
+    # 5. the LR scheduler built on the user's optimizer after scape.prepare: the same run as 1
+    acc, scape, model, opt, loader, sched = _build({}, SPARSE, late_scheduler=True)
+    _train(acc, model, opt, loader, sched, STEPS)
+    result["late_scheduler"] = _report(scape, model, opt, sched)
     torch.save(result, out / f"main_{rank}.pt")
 
 
@@ -424,6 +433,15 @@ def test_scheduler_rebound_and_stats_logged(main_run):
     assert [step for step, _ in logged] == list(range(1, STEPS + 1))
     assert logged[-1][1]["scape/bytes_sent"] == full["stats"]["bytes_sent"]
     assert ranks[1]["full"]["logged"] is None
+
+
+def test_scheduler_built_after_prepare_on_the_users_optimizer(main_run):
+    _, ranks = main_run
+    for r in ranks:
+        late = r["late_scheduler"]
+        assert late["scheduler_bound"] and late["optimizer"] == "ScapeAdamS"
+        assert late["lr"] == late["scheduler_lr"] == r["full"]["lr"]  # the schedule reaches the optimizer that trains
+        assert torch.equal(late["params"], r["full"]["params"])
 
 
 def test_save_state_load_state_resumes_bit_for_bit(main_run):

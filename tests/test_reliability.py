@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from scape_core import ScapeAdamS, ScapeState, gather_state_dict, load_checkpoint, save_checkpoint, scape_hook
-from tests.dist import run_distributed
+from tests.dist import failure, run_distributed
 from tests.test_core_ddp import batch, conservation_error, loss_fn, make_model, scape_setup, snapshot, train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -250,8 +250,55 @@ def test_long_run_replicas_identical_and_memory_flat():
 
 
 # ----------------------------------------------------------------------------------------
-# What users get wrong (issue 13)
-def test_lr_nan_and_inf_are_refused():
+# What users get wrong (issue 13): one launch for every multi-process case, read by the tests below.
+def _optimizer_misuse(rank) -> dict:
+    out = {}
+    _, state, _ = scape_setup(make_model(), 0.9)
+    state.optimizer = None  # a second optimizer on this state, for the argument checks only
+    for lr in (float("nan"), float("inf")):
+        out[f"lr={lr}"] = failure(lambda: ScapeAdamS(state.params.values(), state, lr=lr))
+    # a user's AdamW, its scheduler and their own reference, converted in place
+    from scape_core.convert import to_scape_adams
+
+    model = make_model()
+    ddp = DDP(model)
+    state = ScapeState(ddp, sparsity=0.9, warmup_steps=2)
+    ddp.register_comm_hook(state, scape_hook)
+    mine = torch.optim.AdamW(ddp.parameters(), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.StepLR(mine, step_size=1, gamma=0.5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = to_scape_adams(mine, state)
+        for step in range(4):
+            loss_fn(ddp, *batch(step, rank)).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+            scheduler.step()
+        mine.param_groups[0]["lr"] = 0.0  # the user's own reference still drives training
+        before = [p.detach().clone() for p in model.parameters()]
+        train(ddp, mine, rank, 1, start=4)
+    out["in_place"] = dict(same=opt is mine, kind=type(mine).__name__, scheduler_lr=scheduler.get_last_lr()[0],
+                           lr_after_schedule=0.01 * 0.5 ** 4, steps=state.step,
+                           adam_keys=sorted({k for s in mine.state.values() for k in s}),
+                           warnings=[str(w.message) for w in caught],
+                           frozen_by_lr0=all(torch.equal(a, b) for a, b in zip(model.parameters(), before)))
+    return out
+
+
+def _misuse_launch(rank, world, tmp):
+    return dict(optimizer=_optimizer_misuse(rank))
+
+
+@pytest.fixture(scope="module")
+def misuse(tmp_path_factory):
+    return run_distributed(_misuse_launch, str(tmp_path_factory.mktemp("misuse")))
+
+
+def test_lr_nan_and_inf_are_refused(misuse):
+    for r in misuse:
+        assert r["optimizer"]["lr=nan"] == "ValueError: lr must be a finite number >= 0, got nan"
+        assert r["optimizer"]["lr=inf"] == "ValueError: lr must be a finite number >= 0, got inf"
     from scape_core import AdamS
 
     for lr in (float("nan"), float("inf")):
@@ -259,6 +306,16 @@ def test_lr_nan_and_inf_are_refused():
             AdamS(make_model().parameters(), lr=lr)
         with pytest.raises(ValueError, match="lr must be a finite number >= 0"):
             AdamS([{"params": make_model().parameters(), "lr": lr}])
+
+
+def test_conversion_keeps_the_users_optimizer_object(misuse):
+    for r in misuse:
+        out = r["optimizer"]["in_place"]
+        assert out["same"] and out["kind"] == "ScapeAdamS"
+        assert out["scheduler_lr"] == out["lr_after_schedule"]  # the schedule reached the optimizer that trains
+        assert "exp_avg" in out["adam_keys"] and "exp_avg_sq" not in out["adam_keys"]  # AdamS ran, not AdamW
+        assert out["steps"] == 5 and out["frozen_by_lr0"]
+        assert not out["warnings"], out["warnings"]  # e.g. no "lr_scheduler.step() before optimizer.step()"
 
 
 def test_numbers_of_any_numeric_type_are_accepted():
@@ -278,3 +335,31 @@ def test_numbers_of_any_numeric_type_are_accepted():
         ScapeConfig(warmup_steps=2.5)
     with pytest.raises(ValueError, match=r"lr must be a finite number >= 0, got the string '1e-3'"):
         AdamS(make_model().parameters(), lr="1e-3")
+
+
+def test_conversion_in_place_without_a_process_group():
+    from scape_core.convert import to_adams
+
+    model = make_model()
+    opt = torch.optim.AdamW([{"params": model[0].parameters(), "tag": "first"},
+                             {"params": model[2:].parameters(), "lr": 5e-3}], lr=1e-2, fused=False)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    seen = []
+    opt.register_step_post_hook(lambda o, args, kwargs: seen.append(type(o).__name__))
+    groups, first = opt.param_groups, opt.param_groups[0]
+    assert to_adams(opt) is opt
+    assert opt.param_groups is groups and opt.param_groups[0] is first and first["tag"] == "first"
+    assert "fused" not in first and first["initial_lr"] == 1e-2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for step in range(2):
+            loss_fn(model, *batch(step, 0)).backward()
+            opt.step()
+            opt.zero_grad()
+            scheduler.step()
+    assert seen == ["AdamS", "AdamS"] and [g["lr"] for g in opt.param_groups] == [2.5e-3, 1.25e-3]
+    refused = torch.optim.AdamW(make_model().parameters(), lr=1e-2)
+    refused.step = lambda *a, **k: None  # a wrapper SCAPE cannot carry over: refused, nothing changed
+    with pytest.raises(ValueError, match="step was replaced on this object"):
+        to_adams(refused)
+    assert type(refused) is torch.optim.AdamW
