@@ -12,6 +12,7 @@ from torch import Tensor, nn
 
 from scape_core import inflight
 from scape_core.config import ScapeConfig
+from scape_core.diagnose import DDPWatch
 from scape_core.masks import MaskLayout, mask_score, scheduled_in, select_topk
 
 STATE_FORMAT = 1
@@ -115,6 +116,7 @@ class ScapeState:
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
         _check_model(model)
+        self.watch = DDPWatch(model, self)  # says what happened when gradients arrive unsynchronized
         self.params = parameter_names(model)
         if not self.params:
             raise ValueError("the model has no trainable parameters")
@@ -194,12 +196,8 @@ class ScapeState:
         """Check the hook synchronized every gradient; returns ``(mask or None, skip)``."""
         missing = [n for n in names_with_grad if n not in self._current.synced]
         if missing:
-            if not self._current.synced:
-                raise RuntimeError(
-                    "ScapeAdamS.step() found gradients that scape_hook never synchronized: register "
-                    "it with ddp.register_comm_hook(state, scape_hook) before the first backward"
-                )
-            raise RuntimeError(f"gradients of {missing[:3]} were not synchronized by scape_hook this step")
+            raise RuntimeError(self.watch.explain(missing))
+        self.watch.stepped(names_with_grad)
         return (None if self.is_dense(self.step) else self.masks[self.step]), self._current.nonfinite
 
     def end_step(self, momenta: dict[str, Tensor], beta1: dict[str, float], applied: set[str],

@@ -376,8 +376,30 @@ def test_fabric_setup_accumulation_save_load(ranks):
 
 
 # ----------------------------------------------------------------------------------------
+class HalfUsed(Regression):
+    """A layer the training step never uses, and no find_unused_parameters."""
+
+    def __init__(self) -> None:
+        super().__init__(scheduler=False)
+        self.unused = nn.Linear(8, 1)
+
+
+def _misuse_part(rank, tmp):
+    out = {}
+    out["unused_layer"] = failure(lambda: trainer(sparse(), tmp, max_steps=2).fit(HalfUsed(), loader()))
+    return out
+
+
+def test_misuse_in_lightning_is_named(ranks):
+    results = part(ranks, "misuse")
+    for rank, r in enumerate(results):
+        assert "parameter(s) ['unused.weight', 'unused.bias'] received no gradient" in r["unused_layer"]
+        assert "find_unused_parameters=True" in r["unused_layer"]
+
+
+# ----------------------------------------------------------------------------------------
 PARTS = {"registered_name": _registered_name_part, "train": _train_part, "resume": _resume_part,
-         "variants": _variants_part, "fabric": _fabric_part}
+         "variants": _variants_part, "fabric": _fabric_part, "misuse": _misuse_part}
 
 
 def _all_parts(rank, world, tmp):

@@ -251,6 +251,46 @@ def test_long_run_replicas_identical_and_memory_flat():
 
 # ----------------------------------------------------------------------------------------
 # What users get wrong (issue 13): one launch for every multi-process case, read by the tests below.
+def _unsynchronized_steps(rank) -> dict[str, str]:
+    """Four ways gradients reach ScapeAdamS.step() without scape_hook, and no_sync-only accumulation."""
+    out = {}
+    ddp, state, opt = scape_setup(Branchy(), 0.9)  # no find_unused_parameters
+    x, y = batch(0, rank)
+    (ddp(x, False) - y).pow(2).mean().backward()  # the branch is unused
+    out["unused_layer"] = failure(opt.step)
+
+    ddp, state, opt = scape_setup(make_model(), 0.9)
+    out["second_state"] = failure(lambda: ScapeState(ddp, sparsity=0.9))
+    ddp = DDP(make_model())
+    registered, other = ScapeState(ddp, sparsity=0.9), ScapeState(ddp, sparsity=0.9)
+    ddp.register_comm_hook(registered, scape_hook)
+    opt = ScapeAdamS(ddp.parameters(), other)
+    loss_fn(ddp, *batch(0, rank)).backward()
+    out["other_state"] = failure(opt.step)
+
+    ddp, state, opt = scape_setup(make_model(), 0.9)
+    loss_fn(ddp, *batch(0, rank)).backward()
+    opt.step()
+    out["step_twice"] = failure(opt.step)
+
+    ddp, state, opt = scape_setup(make_model(), 0.9)
+    train(ddp, opt, rank, 1)
+    loss_fn(ddp.module, *batch(1, rank)).backward()
+    out["around_ddp"] = failure(opt.step)
+
+    ddp, state, opt = scape_setup(make_model(), 0.9)
+    with ddp.no_sync():
+        loss_fn(ddp, *batch(0, rank)).backward()
+    out["only_no_sync"] = failure(opt.step)
+
+    ddp = DDP(make_model())
+    state = ScapeState(ddp, sparsity=0.9)
+    opt = ScapeAdamS(ddp.parameters(), state)
+    loss_fn(ddp, *batch(0, rank)).backward()
+    out["no_hook"] = failure(opt.step)
+    return out
+
+
 def _optimizer_misuse(rank) -> dict:
     out = {}
     _, state, _ = scape_setup(make_model(), 0.9)
@@ -287,12 +327,29 @@ def _optimizer_misuse(rank) -> dict:
 
 
 def _misuse_launch(rank, world, tmp):
-    return dict(optimizer=_optimizer_misuse(rank))
+    return dict(unsynchronized=_unsynchronized_steps(rank),
+                optimizer=_optimizer_misuse(rank))
 
 
 @pytest.fixture(scope="module")
 def misuse(tmp_path_factory):
     return run_distributed(_misuse_launch, str(tmp_path_factory.mktemp("misuse")))
+
+
+def test_unsynchronized_gradients_say_what_happened(misuse):
+    for r in misuse:
+        out = r["unsynchronized"]
+        assert "parameter(s) ['branch.weight', 'branch.bias'] received no gradient" in out["unused_layer"]
+        assert "find_unused_parameters=True" in out["unused_layer"]
+        assert out["second_state"].startswith("ValueError") and "already has scape_hook registered with another " \
+            "ScapeState" in out["second_state"]
+        assert "registered on this DDP model with another ScapeState" in out["other_state"]
+        assert "called again with no backward since the last step" in out["step_twice"]
+        assert "without a forward through the DistributedDataParallel model (e.g. ddp.module(x)" in out["around_ddp"]
+        assert "ran under ddp.no_sync()" in out["only_no_sync"]
+        assert "register it with ddp.register_comm_hook(state, scape_hook)" in out["no_hook"]
+        others = [v for k, v in out.items() if k != "no_hook"]
+        assert not any("register_comm_hook(state, scape_hook) before" in v for v in others)
 
 
 def test_lr_nan_and_inf_are_refused(misuse):
