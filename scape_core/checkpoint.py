@@ -3,25 +3,35 @@
 from __future__ import annotations
 
 import os
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed import distributed_c10d
 
 from scape_core.state import ScapeState, gather_state_dict
 
+ARRIVAL_TIMEOUT = 30.0  # seconds every rank has to reach save_checkpoint after the first one did
+_calls: dict[tuple[str, str], int] = {}  # (what, process group) -> collective calls started on this rank
 
-def save_checkpoint(path: str | os.PathLike, state: ScapeState, **objects: Any) -> None:
+
+def save_checkpoint(path: str | os.PathLike, state: ScapeState, *, arrival_timeout: float = ARRIVAL_TIMEOUT,
+                    **objects: Any) -> None:
     """Write one checkpoint from rank 0 (collective: call on every rank).
 
     ``objects`` are anything with ``state_dict()`` (model, optimizer, scheduler) or plain
     values. The file is written to a temporary name and renamed, so a crash mid-write never
-    leaves a truncated checkpoint under ``path``.
+    leaves a truncated checkpoint under ``path``. Every rank's residual goes into the file, so
+    every rank must call it: a rank that does not see all the others arrive within
+    ``arrival_timeout`` seconds raises ``RuntimeError`` (the usual cause: saving under
+    ``if rank == 0:``) instead of waiting for the process-group timeout.
 
     Example:
         >>> save_checkpoint("ckpt.pt", state, model=ddp.module, optimizer=opt, step=step)  # doctest: +SKIP
     """
+    every_rank_arrives("save_checkpoint", state.process_group, arrival_timeout)
     full = gather_state_dict(state)
     if dist.get_rank(state.process_group) == 0:
         payload = {k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in objects.items()}
@@ -56,3 +66,38 @@ def load_checkpoint(path: str | os.PathLike, state: ScapeState, **objects: Any) 
         obj.load_state_dict(payload[key])
     state.load_state_dict(payload["scape"])
     return payload
+
+
+def every_rank_arrives(what: str, group: dist.ProcessGroup | None, timeout: float) -> None:
+    """Raise ``RuntimeError`` unless every rank of ``group`` also calls ``what`` within ``timeout`` seconds.
+
+    Each call is matched by its number on this rank (the n-th ``what`` of every rank) through the
+    process group's key-value store, not through a collective: a rank that never comes leaves no
+    half-matched collective behind. This rank raises; the others fail at their next collective
+    once it exits. A rank that arrives after another gave up raises too.
+
+    Example:
+        >>> every_rank_arrives("save_checkpoint", None, timeout=30.0)  # doctest: +SKIP
+    """
+    world = dist.get_world_size(group)
+    if world == 1:
+        return
+    pg = group if group is not None else dist.group.WORLD
+    rank = dist.get_rank(group)
+    number = _calls[what, pg.group_name] = _calls.get((what, pg.group_name), -1) + 1
+    store = distributed_c10d._get_process_group_store(pg)  # the group's own store (no public accessor)
+    prefix = f"scape/{what}/{number}"
+    store.set(f"{prefix}/{rank}", "1")
+    try:
+        store.wait([f"{prefix}/{r}" for r in range(world)], timedelta(seconds=timeout))
+    except dist.DistStoreError:
+        missing = [r for r in range(world) if not store.check([f"{prefix}/{r}"])]
+        store.set(f"{prefix}/abandoned", str(rank))
+        raise RuntimeError(
+            f"{what} is collective: every rank must call it. Rank(s) {missing} of {world} did not call it within "
+            f"{timeout:g} s of rank {rank}: call {what} on every rank (not under `if rank == 0:`; rank 0 alone "
+            f"writes the file). If a rank is legitimately that late, pass arrival_timeout=<seconds>.") from None
+    if store.check([f"{prefix}/abandoned"]):
+        raise RuntimeError(f"{what} is collective: rank {store.get(f'{prefix}/abandoned').decode()} stopped waiting "
+                           f"for this rank after {timeout:g} s; call {what} on every rank at the same point")
+

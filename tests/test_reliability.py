@@ -326,9 +326,26 @@ def _optimizer_misuse(rank) -> dict:
     return out
 
 
+def _save_on_rank0_only(rank, tmp):
+    """Last in the launch: a rank-0-only save leaves the ranks' save counts apart."""
+    import time
+
+    model = make_model()
+    ddp, state, opt = scape_setup(model, 0.9)
+    train(ddp, opt, rank, 4)
+    if rank != 0:  # rank 1 goes on to its next collective, as a training loop would
+        dist.barrier()
+        return None
+    start = time.monotonic()
+    error = failure(lambda: save_checkpoint(Path(tmp) / "ckpt.pt", state, arrival_timeout=2, model=model))
+    elapsed = time.monotonic() - start
+    dist.barrier()
+    return error, elapsed, (Path(tmp) / "ckpt.pt").exists()
+
+
 def _misuse_launch(rank, world, tmp):
     return dict(unsynchronized=_unsynchronized_steps(rank),
-                optimizer=_optimizer_misuse(rank))
+                optimizer=_optimizer_misuse(rank), save_rank0=_save_on_rank0_only(rank, tmp))
 
 
 @pytest.fixture(scope="module")
@@ -373,6 +390,14 @@ def test_conversion_keeps_the_users_optimizer_object(misuse):
         assert "exp_avg" in out["adam_keys"] and "exp_avg_sq" not in out["adam_keys"]  # AdamS ran, not AdamW
         assert out["steps"] == 5 and out["frozen_by_lr0"]
         assert not out["warnings"], out["warnings"]  # e.g. no "lr_scheduler.step() before optimizer.step()"
+
+
+def test_save_checkpoint_on_rank_0_only_fails_in_seconds(misuse):
+    error, elapsed, written = misuse[0]["save_rank0"]
+    assert error.startswith("RuntimeError: save_checkpoint is collective: every rank must call it. Rank(s) [1] of 2 "
+                            "did not call it within 2 s of rank 0")
+    assert "not under `if rank == 0:`" in error and "arrival_timeout" in error
+    assert 2 <= elapsed < 10 and not written
 
 
 def test_numbers_of_any_numeric_type_are_accepted():
