@@ -6,7 +6,7 @@ import dataclasses
 import math
 import numbers
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable, Mapping
 
 SCORES = ("auto", "momentum_residual", "momentum", "age_momentum")
 RAMP = (0.25, 0.0625, 0.015625)  # DGC's sparsity warm-up: 75%, 93.75%, 98.4%
@@ -110,6 +110,43 @@ class ScapeConfig:
         stage = (step - self.warmup_steps) * 3 // self.ramp_steps if self.ramp_steps else -1
         stages = [d for d in RAMP if d > self.density]
         return stages[stage] if 0 <= stage < len(stages) else self.density
+
+    def check_resume(self, saved: Mapping[str, Any], step: int, masks: Iterable[int]) -> None:
+        """Refuse a saved SCAPE state whose mask schedule this config cannot continue; name the setting.
+
+        ``saved`` is the checkpoint's config dict, ``step`` its step and ``masks`` the steps it
+        holds masks for. Another ``sparsity`` is refused. Another ``warmup_steps`` or
+        ``mask_delay`` is accepted when the checkpoint holds every mask this config needs
+        before it selects its own (e.g. both warm-ups ended before the saved step), and
+        refused, naming the setting, when it does not. ``ramp_steps``, ``mask_refresh`` and
+        ``score`` only shape masks not yet chosen: any value resumes.
+
+        Example:
+            >>> ScapeConfig(warmup_steps=3).check_resume(ScapeConfig(warmup_steps=10).to_dict(), step=6, masks=[])
+            ... # doctest: +ELLIPSIS
+            Traceback (most recent call last):
+            ...
+            ValueError: SCAPE state was saved at step 6 with warmup_steps=10, this run uses warmup_steps=3: here ...
+        """
+        if saved.get("sparsity") != self.sparsity:
+            raise ValueError(f"SCAPE state was saved with sparsity={saved.get('sparsity')}, this run uses "
+                             f"sparsity={self.sparsity}")
+        held = {int(t) for t in masks}
+        # masks chosen before the checkpoint: sparse steps whose selecting step (t - 1 - delay) came before it
+        needed = [t for t in range(step, step + self.mask_delay + 1)
+                  if not self.dense and t >= self.warmup_steps and t - 1 - self.mask_delay >= 0]
+        missing = [t for t in needed if t not in held]
+        if not missing:
+            return
+        changed = [n for n in ("warmup_steps", "mask_delay") if saved.get(n) != getattr(self, n)]
+        if not changed:
+            raise ValueError(f"SCAPE state of step {step} holds no mask for step(s) {missing}: it was saved "
+                             "without its scheduled masks (save with ScapeState.state_dict or gather_state_dict)")
+        was = ", ".join(f"{n}={saved.get(n)}" for n in changed)
+        now = ", ".join(f"{n}={getattr(self, n)}" for n in changed)
+        raise ValueError(f"SCAPE state was saved at step {step} with {was}, this run uses {now}: here step(s) "
+                         f"{missing} are sparse and their masks were chosen before the checkpoint, which holds "
+                         f"none for them. Resume with {was}.")
 
     @property
     def dense(self) -> bool:

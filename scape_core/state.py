@@ -326,10 +326,7 @@ class ScapeState:
         if shapes != ours:
             diff = sorted(set(shapes) ^ set(ours)) or [n for n in ours if shapes[n] != ours[n]]
             raise ValueError(f"SCAPE state was saved for another model: parameters differ at {diff[:5]}")
-        saved = state["config"].get("sparsity")
-        if saved != self.config.sparsity:
-            raise ValueError(f"SCAPE state was saved with sparsity={saved}, this run uses "
-                             f"sparsity={self.config.sparsity}")
+        self.config.check_resume(state["config"], int(state["step"]), state["masks"])
         if "residuals" in state:  # gathered: one residual dict per saved rank
             per_rank = state["residuals"]
             if len(per_rank) == self.world_size:

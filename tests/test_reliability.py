@@ -291,6 +291,30 @@ def _unsynchronized_steps(rank) -> dict[str, str]:
     return out
 
 
+def _changed_schedule(rank) -> dict[str, str]:
+    """Resume with another warm-up or mask delay: refused at load, naming the setting, unless harmless."""
+    out = {}
+    saved = {}
+    for name, cfg in {"warmup10": dict(warmup=10), "delay0": dict(warmup=3, mask_delay=0),
+                      "warmup3": dict(warmup=3)}.items():
+        model = make_model()
+        ddp, state, opt = scape_setup(model, 0.9, **cfg)
+        train(ddp, opt, rank, 6)
+        saved[name] = gather_state_dict(state)
+    _, state, _ = scape_setup(make_model(), 0.9, warmup=3)
+    out["warmup"] = failure(lambda: state.load_state_dict(saved["warmup10"]))
+    out["warmup_untouched"] = state.step == 0
+    _, state, _ = scape_setup(make_model(), 0.9, warmup=3, mask_delay=1)
+    out["mask_delay"] = failure(lambda: state.load_state_dict(saved["delay0"]))
+    # both warm-ups ended before step 6: the checkpoint's masks cover the steps ahead, so it resumes
+    model = make_model()
+    ddp, state, opt = scape_setup(model, 0.9, warmup=4)
+    state.load_state_dict(saved["warmup3"])
+    train(ddp, opt, rank, 3, start=6)
+    out["harmless_change_steps"] = state.step
+    return out
+
+
 def _optimizer_misuse(rank) -> dict:
     out = {}
     _, state, _ = scape_setup(make_model(), 0.9)
@@ -344,7 +368,7 @@ def _save_on_rank0_only(rank, tmp):
 
 
 def _misuse_launch(rank, world, tmp):
-    return dict(unsynchronized=_unsynchronized_steps(rank),
+    return dict(unsynchronized=_unsynchronized_steps(rank), schedule=_changed_schedule(rank),
                 optimizer=_optimizer_misuse(rank), save_rank0=_save_on_rank0_only(rank, tmp))
 
 
@@ -367,6 +391,17 @@ def test_unsynchronized_gradients_say_what_happened(misuse):
         assert "register it with ddp.register_comm_hook(state, scape_hook)" in out["no_hook"]
         others = [v for k, v in out.items() if k != "no_hook"]
         assert not any("register_comm_hook(state, scape_hook) before" in v for v in others)
+
+
+def test_resume_with_another_schedule_names_the_setting(misuse):
+    for r in misuse:
+        out = r["schedule"]
+        assert out["warmup"].startswith("ValueError: SCAPE state was saved at step 6 with warmup_steps=10, this "
+                                        "run uses warmup_steps=3") and "Resume with warmup_steps=10" in out["warmup"]
+        assert out["warmup_untouched"]
+        assert "with mask_delay=0, this run uses mask_delay=1" in out["mask_delay"]
+        assert "step(s) [7]" in out["mask_delay"]
+        assert out["harmless_change_steps"] == 9
 
 
 def test_lr_nan_and_inf_are_refused(misuse):
