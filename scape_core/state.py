@@ -307,6 +307,10 @@ class ScapeState:
         gradient) with a warning. Everything is validated before anything is changed.
         """
         residual = self.check_loadable(state)
+        saved_world = len(state["residuals"]) if "residuals" in state else self.world_size
+        if saved_world != self.world_size and self.rank == 0:  # once per load, not once per rank
+            warnings.warn(f"resuming SCAPE state saved at world size {saved_world} on world size "
+                          f"{self.world_size}: every rank starts from the mean residual", stacklevel=2)
         self._finish_pending()
         self.step = int(state["step"])
         self.masks = {int(s): {n: i.to(torch.long).to(self.params[n].device) for n, i in m.items()}
@@ -331,8 +335,6 @@ class ScapeState:
             per_rank = state["residuals"]
             if len(per_rank) == self.world_size:
                 return per_rank[self.rank]
-            warnings.warn(f"resuming SCAPE state saved at world size {len(per_rank)} on world size "
-                          f"{self.world_size}: every rank starts from the mean residual", stacklevel=3)
             names = set().union(*per_rank) if per_rank else set()
             return {n: torch.stack([r[n] if n in r else torch.zeros_like(self.residual(n).cpu())
                                     for r in per_rank]).float().mean(0) for n in names}
