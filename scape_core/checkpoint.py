@@ -1,4 +1,10 @@
-"""Single-file checkpoints for plain DDP: every rank's SCAPE state plus model and optimizer."""
+"""Single-file checkpoints for plain DDP: every rank's SCAPE state plus model and optimizer.
+
+Importing this module (``import scape_core`` does) also registers a step pre-hook common to all
+optimizers: an ``Adam`` / ``AdamW`` holding state saved by SCAPE's AdamS (a SCAPE checkpoint
+resumed without SCAPE) fails at its first step with a message that says so, where torch would
+raise ``KeyError: 'exp_avg_sq'``. It raises nowhere torch would not.
+"""
 
 from __future__ import annotations
 
@@ -10,7 +16,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed import distributed_c10d
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from scape_core.adams import MOMENTUM
 from scape_core.state import ScapeState, gather_state_dict
 
 ARRIVAL_TIMEOUT = 30.0  # seconds every rank has to reach save_checkpoint after the first one did
@@ -101,3 +109,26 @@ def every_rank_arrives(what: str, group: dist.ProcessGroup | None, timeout: floa
         raise RuntimeError(f"{what} is collective: rank {store.get(f'{prefix}/abandoned').decode()} stopped waiting "
                            f"for this rank after {timeout:g} s; call {what} on every rank at the same point")
 
+
+def _refuse_scape_state_in_adam(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Step pre-hook of every optimizer: an Adam/AdamW holding AdamS state fails here, saying why."""
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return None
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            held = optimizer.state.get(p)
+            if not held:
+                continue
+            if MOMENTUM in held and "exp_avg_sq" not in held:  # torch would raise KeyError: 'exp_avg_sq'
+                raise RuntimeError(
+                    f"this {type(optimizer).__name__} was loaded with optimizer state saved by SCAPE's AdamS "
+                    "('exp_avg' without 'exp_avg_sq'): the checkpoint is a SCAPE checkpoint. Resume it with SCAPE, "
+                    "as it was trained: Lightning Trainer(strategy='scape') or Fabric(strategy='scape') after "
+                    "`import lightning_scape`, Accelerate ScapePlugin().prepare(...), plain DDP "
+                    "scape_core.load_checkpoint. To continue without SCAPE, load only the model weights (Lightning: "
+                    "model.load_state_dict(torch.load(path)['state_dict']), no ckpt_path) and start a new optimizer.")
+            return None
+    return None
+
+
+_ADAM_GUARD = register_optimizer_step_pre_hook(_refuse_scape_state_in_adam)

@@ -387,6 +387,13 @@ class HalfUsed(Regression):
 def _misuse_part(rank, tmp):
     out = {}
     out["unused_layer"] = failure(lambda: trainer(sparse(), tmp, max_steps=2).fit(HalfUsed(), loader()))
+    # a SCAPE checkpoint resumed with the stock DDP strategy
+    t = trainer(sparse(), tmp, max_steps=8, max_epochs=-1)
+    t.fit(Regression(), loader())
+    path = str(Path(tmp) / "scape.ckpt")
+    t.save_checkpoint(path)
+    stock = trainer("ddp", tmp, max_steps=10, max_epochs=-1)
+    out["stock_resume"] = failure(lambda: stock.fit(Regression(), loader(), ckpt_path=path))
     return out
 
 
@@ -395,6 +402,9 @@ def test_misuse_in_lightning_is_named(ranks):
     for rank, r in enumerate(results):
         assert "parameter(s) ['unused.weight', 'unused.bias'] received no gradient" in r["unused_layer"]
         assert "find_unused_parameters=True" in r["unused_layer"]
+        assert r["stock_resume"].startswith("RuntimeError: this AdamW was loaded with optimizer state saved by "
+                                            "SCAPE's AdamS")
+        assert "the checkpoint is a SCAPE checkpoint" in r["stock_resume"]
 
 
 # ----------------------------------------------------------------------------------------

@@ -349,6 +349,11 @@ def _optimizer_misuse(rank) -> dict:
                            adam_keys=sorted({k for s in mine.state.values() for k in s}),
                            warnings=[str(w.message) for w in caught],
                            frozen_by_lr0=all(torch.equal(a, b) for a, b in zip(model.parameters(), before)))
+    # a SCAPE optimizer state resumed into AdamW (the checkpoint of a SCAPE run, resumed without SCAPE)
+    plain = torch.optim.AdamW(model.parameters(), lr=0.01)
+    plain.load_state_dict(opt.state_dict())
+    loss_fn(model, *batch(9, rank)).backward()
+    out["adamw_resumed"] = failure(plain.step)
     return out
 
 
@@ -427,6 +432,13 @@ def test_conversion_keeps_the_users_optimizer_object(misuse):
         assert "exp_avg" in out["adam_keys"] and "exp_avg_sq" not in out["adam_keys"]  # AdamS ran, not AdamW
         assert out["steps"] == 5 and out["frozen_by_lr0"]
         assert not out["warnings"], out["warnings"]  # e.g. no "lr_scheduler.step() before optimizer.step()"
+
+
+def test_scape_optimizer_state_in_adamw_says_it_is_a_scape_checkpoint(misuse):
+    message = misuse[0]["optimizer"]["adamw_resumed"]
+    assert message.startswith("RuntimeError: this AdamW was loaded with optimizer state saved by SCAPE's AdamS")
+    assert "the checkpoint is a SCAPE checkpoint" in message and "strategy='scape'" in message
+    assert "KeyError" not in message
 
 
 def test_save_checkpoint_on_rank_0_only_fails_in_seconds(misuse):
