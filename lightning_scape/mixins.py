@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
+import warnings
 from typing import Any, Callable
 
 from torch.nn import Module
@@ -111,6 +113,10 @@ class TrainerStrategyMixin(ScapeStrategyMixin):
     def setup_optimizers(self, trainer: Any) -> None:
         super().setup_optimizers(trainer)
         self.optimizers = [self._convert_optimizers(self.optimizers)]  # in place: its schedulers follow
+        total = trainer.estimated_stepping_batches  # max_steps, or epochs x batches / accumulation
+        warning = self.scape_config.short_run_warning(int(total)) if math.isfinite(total) else None
+        if warning and self.global_rank == 0:
+            warnings.warn(warning, stacklevel=2)
 
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)

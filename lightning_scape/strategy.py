@@ -20,7 +20,7 @@ class ScapeStrategy(TrainerStrategyMixin, DDPStrategy):
     device (stock DDP registers comm hooks only on CUDA), converts the optimizer returned by
     ``configure_optimizers`` (AdamW, Adam or AdamS, with their parameter groups and
     hyperparameters) in place to :class:`scape_core.ScapeAdamS` (LR schedulers and references the
-    module keeps follow), writes every rank's
+    module keeps follow), warns when ``max_steps`` ends before the warm-up and ramp, writes every rank's
     SCAPE state into checkpoints under ``"scape"`` and resumes it with ``fit(ckpt_path=...)``
     (bit-for-bit at the same world size), and logs ``scape/bytes_sent``, ``scape/dense_bytes``,
     ``scape/compression`` and ``scape/skipped_steps`` (cumulative, this rank) to the loggers and

@@ -111,6 +111,42 @@ class ScapeConfig:
         stages = [d for d in RAMP if d > self.density]
         return stages[stage] if 0 <= stage < len(stages) else self.density
 
+    @property
+    def target_step(self) -> int:
+        """The first step at the target density (after the warm-up and the ramp's stages).
+
+        Example:
+            >>> ScapeConfig(sparsity=0.99, warmup_steps=10, ramp_steps=30).target_step
+            40
+            >>> ScapeConfig(sparsity=0.5, warmup_steps=10, ramp_steps=30).target_step  # no stage denser than 50%
+            10
+        """
+        stages = sum(1 for d in RAMP if d > self.density)
+        return self.warmup_steps + (-(-stages * self.ramp_steps // 3) if self.ramp_steps else 0)
+
+    def short_run_warning(self, total_steps: int) -> str | None:
+        """What a run of ``total_steps`` optimizer steps misses of this schedule; ``None`` if nothing.
+
+        For trainers that know the run's length (Lightning's ``max_steps``): a run that ends
+        inside the warm-up or the ramp never trains at the density the user asked for.
+
+        Example:
+            >>> config = ScapeConfig(sparsity=0.99, warmup_steps=2, ramp_steps=1000)
+            >>> "the run ends at density 0.25" in config.short_run_warning(8)
+            True
+        """
+        if self.dense or total_steps >= self.target_step:
+            return None
+        if total_steps <= self.warmup_steps:
+            what = (f"dense warm-up lasts warmup_steps={self.warmup_steps}: every step is dense, no "
+                    "communication is saved")
+        else:
+            what = (f"warm-up and ramp (warmup_steps={self.warmup_steps}, ramp_steps={self.ramp_steps}) reach "
+                    f"the target density {self.density:.4g} (sparsity={self.sparsity}) only at step "
+                    f"{self.target_step}: the run ends at density {self.density_at(total_steps - 1):.4g}")
+        return (f"SCAPE: this run has {total_steps} optimizer steps, but its {what}. Lower warmup_steps / "
+                "ramp_steps (or train longer) to train at the sparsity you set.")
+
     def check_resume(self, saved: Mapping[str, Any], step: int, masks: Iterable[int]) -> None:
         """Refuse a saved SCAPE state whose mask schedule this config cannot continue; name the setting.
 

@@ -387,9 +387,13 @@ class HalfUsed(Regression):
 def _misuse_part(rank, tmp):
     out = {}
     out["unused_layer"] = failure(lambda: trainer(sparse(), tmp, max_steps=2).fit(HalfUsed(), loader()))
-    # a SCAPE checkpoint resumed with the stock DDP strategy
-    t = trainer(sparse(), tmp, max_steps=8, max_epochs=-1)
-    t.fit(Regression(), loader())
+    # a run that ends inside the warm-up: said at setup, on rank 0
+    t = trainer(ScapeStrategy(sparsity=0.99, ramp_steps=1000), tmp, max_steps=8, max_epochs=-1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t.fit(Regression(), loader())
+    out["short_run"] = [str(w.message) for w in caught if "SCAPE: this run" in str(w.message)]
+    # its checkpoint resumed with the stock DDP strategy
     path = str(Path(tmp) / "scape.ckpt")
     t.save_checkpoint(path)
     stock = trainer("ddp", tmp, max_steps=10, max_epochs=-1)
@@ -402,6 +406,10 @@ def test_misuse_in_lightning_is_named(ranks):
     for rank, r in enumerate(results):
         assert "parameter(s) ['unused.weight', 'unused.bias'] received no gradient" in r["unused_layer"]
         assert "find_unused_parameters=True" in r["unused_layer"]
+        assert r["short_run"] == ([
+            "SCAPE: this run has 8 optimizer steps, but its dense warm-up lasts warmup_steps=50: every step is dense, "
+            "no communication is saved. Lower warmup_steps / ramp_steps (or train longer) to train at the sparsity "
+            "you set."] if rank == 0 else [])
         assert r["stock_resume"].startswith("RuntimeError: this AdamW was loaded with optimizer state saved by "
                                             "SCAPE's AdamS")
         assert "the checkpoint is a SCAPE checkpoint" in r["stock_resume"]

@@ -468,6 +468,16 @@ def test_numbers_of_any_numeric_type_are_accepted():
         AdamS(make_model().parameters(), lr="1e-3")
 
 
+def test_run_shorter_than_the_schedule_is_described():
+    from scape_core import ScapeConfig
+
+    assert ScapeConfig(sparsity=0.99, warmup_steps=50, ramp_steps=1000).short_run_warning(8).startswith(
+        "SCAPE: this run has 8 optimizer steps, but its dense warm-up lasts warmup_steps=50: every step is dense")
+    assert "ends at density 0.25" in ScapeConfig(sparsity=0.99, warmup_steps=2, ramp_steps=1000).short_run_warning(8)
+    assert ScapeConfig(sparsity=0.99, warmup_steps=2, ramp_steps=9).short_run_warning(11) is None
+    assert ScapeConfig(sparsity=0.0).short_run_warning(1) is None
+
+
 def test_conversion_in_place_without_a_process_group():
     from scape_core.convert import to_adams
 
