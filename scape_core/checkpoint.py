@@ -82,7 +82,8 @@ def every_rank_arrives(what: str, group: dist.ProcessGroup | None, timeout: floa
     Each call is matched by its number on this rank (the n-th ``what`` of every rank) through the
     process group's key-value store, not through a collective: a rank that never comes leaves no
     half-matched collective behind. This rank raises; the others fail at their next collective
-    once it exits. A rank that arrives after another gave up raises too.
+    once it exits. A rank that arrives after another gave up raises too. Each rank keeps one key
+    in the store (its latest call's), so frequent checkpoints do not fill it.
 
     Example:
         >>> every_rank_arrives("save_checkpoint", None, timeout=30.0)  # doctest: +SKIP
@@ -95,6 +96,8 @@ def every_rank_arrives(what: str, group: dist.ProcessGroup | None, timeout: floa
     number = _calls[what, pg.group_name] = _calls.get((what, pg.group_name), -1) + 1
     store = distributed_c10d._get_process_group_store(pg)  # the group's own store (no public accessor)
     prefix = f"scape/{what}/{number}"
+    if number:  # every rank passed the previous call (its collective followed): its key is spent
+        store.delete_key(f"scape/{what}/{number - 1}/{rank}")
     store.set(f"{prefix}/{rank}", "1")
     try:
         store.wait([f"{prefix}/{r}" for r in range(world)], timedelta(seconds=timeout))

@@ -116,7 +116,10 @@ def _truncated(rank, world, path):
     model = make_model()
     ddp, state, opt = scape_setup(model, 0.9)
     train(ddp, opt, rank, 6)
+    save_checkpoint(path, state, model=model, optimizer=opt, step=5)
     save_checkpoint(path, state, model=model, optimizer=opt, step=6)
+    store = dist.distributed_c10d._get_process_group_store(dist.group.WORLD)
+    first_key_kept = store.check([f"scape/save_checkpoint/0/{rank}"])  # only the latest call's key stays
     if rank == 0:
         data = Path(path).read_bytes()
         Path(path).write_bytes(data[: len(data) // 2])
@@ -130,13 +133,13 @@ def _truncated(rank, world, path):
     after = snapshot(model, opt), {n: r.clone() for n, r in state.residuals.items()}, state.step
     same = (all(torch.equal(a, b) for a, b in zip(before[0][0] + before[0][1], after[0][0] + after[0][1]))
             and all(torch.equal(before[1][n], after[1][n]) for n in before[1]) and before[2] == after[2])
-    return error, same
+    return error, same, first_key_kept
 
 
 def test_truncated_checkpoint_is_a_clear_error_and_changes_nothing(tmp_path):
-    for error, same in run_distributed(_truncated, str(tmp_path / "ckpt.pt")):
+    for error, same, first_key_kept in run_distributed(_truncated, str(tmp_path / "ckpt.pt")):
         assert error and "truncated" in error
-        assert same
+        assert same and not first_key_kept
 
 
 # ----------------------------------------------------------------------------------------
