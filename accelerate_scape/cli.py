@@ -65,9 +65,9 @@ def _config_command(args: argparse.Namespace) -> int:
     given = _given_settings(args)
     try:
         config = ScapeConfig(**(given if given else _ask_all()))
-    except (TypeError, ValueError) as e:
+        path = S.write_config_file(config, args.scape_config_file)
+    except (TypeError, ValueError, OSError) as e:
         return _fail("config", e)
-    path = S.write_config_file(config, args.scape_config_file)
     print(f"SCAPE configuration saved at {path}")
     return 0
 
@@ -121,7 +121,7 @@ def _env_command(args: argparse.Namespace) -> int:
 
 # ----- launch -------------------------------------------------------------------------
 def _launch_parser(sub: Any) -> None:
-    p = launch_command_parser(sub)  # Accelerate's own `launch`, every flag unchanged
+    p = launch_command_parser(_WithHelp(sub, "Run `accelerate launch` with the SCAPE settings exported as SCAPE_*"))
     p.description = ("Exactly `accelerate launch`, with the SCAPE settings (flags below > SCAPE_* environment "
                      "> scape_config.yaml > defaults) exported as SCAPE_* to every process. " + (p.description or ""))
     group = p.add_argument_group("SCAPE arguments", "Override the SCAPE settings for this launch.")
@@ -148,6 +148,16 @@ def _launch_command(args: argparse.Namespace) -> int:
     return 0
 
 
+class _WithHelp:
+    """Accelerate's ``launch_command_parser`` adds its parser without a help line; this gives it one."""
+
+    def __init__(self, sub: Any, help: str) -> None:
+        self.sub, self.help = sub, help
+
+    def add_parser(self, name: str, **kwargs: Any) -> argparse.ArgumentParser:
+        return self.sub.add_parser(name, help=self.help, **kwargs)
+
+
 # ----- shared -------------------------------------------------------------------------
 def _fail(command: str, error: Exception) -> int:
     """Bad settings: one clear line, no traceback."""
@@ -164,7 +174,7 @@ def _add_setting_arguments(p: Any) -> None:
         kind = "yes/no" if isinstance(default, bool) else type(default).__name__
         help = QUESTIONS.get(name, name).format(rules=", ".join(sorted(UPDATE_RULES)))
         p.add_argument(f"--{name}", default=None, type=_converter(name), metavar=kind.upper(),
-                       help=f"{help} (default {default!r})")
+                       help=f"{help} (default {default!r})".replace("%", "%%"))  # argparse formats help with %
 
 
 def _converter(name: str) -> Callable[[str], Any]:

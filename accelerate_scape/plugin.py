@@ -12,11 +12,10 @@ from accelerate.optimizer import AcceleratedOptimizer
 from accelerate.utils import DistributedType, is_compiled_module
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
-from torch.optim.lr_scheduler import LRScheduler
 
 from accelerate_scape.settings import Settings, resolve_settings
-from scape_core import AdamS, ScapeAdamS, ScapeState, gather_state_dict, scape_hook
-from scape_core.convert import adams_param_groups, rebind_schedulers
+from scape_core import AdamS, ScapeState, gather_state_dict, scape_hook
+from scape_core.convert import adams_param_groups, to_adams, to_scape_adams
 
 _NOT_DDP = (DistributedType.DEEPSPEED, DistributedType.FSDP, DistributedType.MEGATRON_LM, DistributedType.XLA)
 _INACTIVE = {"scape_active": False}  # what a single-process run checkpoints
@@ -30,8 +29,9 @@ class ScapePlugin:
     config (``accelerate-scape config`` writes it) > ``ScapeConfig`` defaults.
 
     :meth:`prepare` replaces ``accelerator.prepare``: it prepares everything, converts the
-    optimizer (AdamW, Adam or AdamS) to :class:`~scape_core.ScapeAdamS` with the same parameter
-    groups and hyperparameters, rebinds the LR schedulers passed with it, registers the SCAPE
+    optimizer (AdamW, Adam or AdamS) in place to :class:`~scape_core.ScapeAdamS` with the same
+    parameter groups and hyperparameters (so LR schedulers built on it, before or after, and
+    any reference the script keeps drive the optimizer that trains), registers the SCAPE
     hook on the DDP model (also under ``torch.compile``) and registers this plugin with
     ``accelerator.register_for_checkpointing``, so ``save_state`` / ``load_state`` keep every
     rank's SCAPE state (residuals, masks, step) and resume bit-for-bit.
@@ -84,7 +84,7 @@ class ScapePlugin:
         """``accelerator.prepare(*args)`` with SCAPE: returns the prepared objects in the same order.
 
         ``args`` must hold exactly one model and one optimizer (AdamW, Adam or AdamS, not yet
-        prepared or stepped); LR schedulers among them are rebound to the converted optimizer.
+        prepared or stepped), converted in place (see :func:`scape_core.convert.to_scape_adams`).
         """
         if self.accelerator is not None:
             raise RuntimeError("ScapePlugin.prepare was already called: one plugin serves one model and optimizer")
@@ -97,16 +97,15 @@ class ScapePlugin:
         opt_at = _index_of_one(args, torch.optim.Optimizer, "optimizer")
         multi = accelerator.num_processes > 1
         _check_accelerator(accelerator, multi)
-        original = args[opt_at]
-        groups, defaults = _groups_of(original)
+        optimizer = args[opt_at]
+        original = type(optimizer).__name__
+        _check_optimizer(optimizer)  # before the model is wrapped
         args = list(args)
 
         if not multi:
-            converted = AdamS(groups, **defaults)
-            args[opt_at] = converted
-            rebind_schedulers([a for a in args if isinstance(a, LRScheduler)], original, converted)
+            converted = to_adams(optimizer)  # in place: the user's references and schedulers follow
             accelerator.print(f"SCAPE: inactive (single process), training densely with AdamS "
-                              f"(converted from {type(original).__name__})")
+                              f"(converted from {original})")
             out = _as_list(accelerator.prepare(*args, device_placement=_placement(placement)), len(args))
         else:
             model = accelerator.prepare(args[model_at], device_placement=_placement([placement[model_at]]))
@@ -117,9 +116,7 @@ class ScapePlugin:
             except RuntimeError as e:
                 raise RuntimeError("could not register the SCAPE hook on the DDP model (does "
                                    "DistributedDataParallelKwargs set a comm_hook? remove it)") from e
-            converted = ScapeAdamS(groups, self.state, **defaults)
-            args[opt_at] = converted
-            rebind_schedulers([a for a in args if isinstance(a, LRScheduler)], original, converted)
+            converted = to_scape_adams(optimizer, self.state)  # in place, as above
             rest = [i for i in range(len(args)) if i != model_at]
             prepared = _as_list(accelerator.prepare(*[args[i] for i in rest],
                                                     device_placement=_placement([placement[i] for i in rest])),
@@ -129,7 +126,7 @@ class ScapePlugin:
             for i, obj in zip(rest, prepared):
                 out[i] = obj
             accelerator.print(f"SCAPE: active on {accelerator.num_processes} processes, "
-                              f"{type(original).__name__} -> ScapeAdamS, settings:\n{self.settings.describe()}")
+                              f"{original} -> ScapeAdamS, settings:\n{self.settings.describe()}")
 
         self.accelerator = accelerator
         self.optimizer = converted
@@ -188,11 +185,11 @@ class ScapePlugin:
         self._skipped = self.state.skipped_steps
 
 
-def _groups_of(optimizer: torch.optim.Optimizer) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+def _check_optimizer(optimizer: torch.optim.Optimizer) -> None:
     if isinstance(optimizer, AcceleratedOptimizer):
         raise ValueError("pass the optimizer to scape.prepare instead of accelerator.prepare "
                          "(got an AcceleratedOptimizer)")
-    return adams_param_groups(optimizer)
+    adams_param_groups(optimizer)
 
 
 def find_ddp(model: nn.Module) -> DistributedDataParallel:

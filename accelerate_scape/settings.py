@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import os
+import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,6 +126,14 @@ def resolve_settings(
     return Settings(ScapeConfig(**values), sources, path, found)
 
 
+class _Loader(yaml.SafeLoader):
+    """YAML as people write it: ``1e-1`` is a float (YAML 1.2), not the string PyYAML's YAML 1.1 makes it."""
+
+
+_Loader.add_implicit_resolver("tag:yaml.org,2002:float", re.compile(r"^[-+]?[0-9][0-9_]*(\.[0-9_]*)?[eE][-+]?[0-9]+$"),
+                              list("-+0123456789"))
+
+
 def load_config_file(path: str | os.PathLike) -> dict[str, Any]:
     """Read and validate a ``scape_config.yaml``; errors name the file and the key.
 
@@ -134,7 +143,9 @@ def load_config_file(path: str | os.PathLike) -> dict[str, Any]:
     """
     path = Path(path).expanduser()
     try:
-        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+        data = yaml.load(path.read_text(encoding="utf-8"), Loader=_Loader)
+    except UnicodeDecodeError as e:
+        raise ValueError(f"{path}: not UTF-8 text ({e.reason} at byte {e.start}): save it as UTF-8") from None
     except yaml.YAMLError as e:
         raise ValueError(f"{path}: not valid YAML: {e}") from None
     if data is None:
@@ -190,9 +201,12 @@ def write_config_file(config: ScapeConfig, path: str | os.PathLike | None = None
         PosixPath('/tmp/scape_config.yaml')
     """
     path = Path(path).expanduser() if path is not None else default_config_file()
-    path.parent.mkdir(parents=True, exist_ok=True)
     header = "# SCAPE settings for accelerate_scape (written by `accelerate-scape config`)\n"
-    path.write_text(header + yaml.safe_dump(config.to_dict(), sort_keys=False), encoding="utf-8")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(header + yaml.safe_dump(config.to_dict(), sort_keys=False), encoding="utf-8")
+    except OSError as e:  # the same error type, saying which file could not be written
+        raise type(e)(e.errno, f"cannot write the SCAPE config file {path}: {e.strerror}", e.filename) from None
     return path
 
 

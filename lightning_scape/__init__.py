@@ -14,7 +14,7 @@ standalone ``pytorch_lightning`` / ``lightning_fabric`` packages (classes in
 
 import importlib.util
 
-from scape_core.convert import rebind_schedulers, to_scape_adams
+from scape_core.convert import to_scape_adams
 from lightning_scape.strategy import ScapeFabricStrategy, ScapeStrategy, register
 
 register()
@@ -23,4 +23,4 @@ if importlib.util.find_spec("pytorch_lightning") and importlib.util.find_spec("l
 
     standalone.register()
 
-__all__ = ["ScapeStrategy", "ScapeFabricStrategy", "to_scape_adams", "rebind_schedulers"]
+__all__ = ["ScapeStrategy", "ScapeFabricStrategy", "to_scape_adams"]

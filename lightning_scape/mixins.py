@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
+import warnings
 from typing import Any, Callable
 
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
-from scape_core.convert import rebind_schedulers, to_scape_adams
+from scape_core.convert import to_scape_adams
 from scape_core import ScapeAdamS, ScapeConfig, ScapeState, gather_state_dict, scape_hook
 
 CHECKPOINT_KEY = "scape"  # checkpoint entry holding every rank's SCAPE state (gather_state_dict)
@@ -110,9 +112,11 @@ class TrainerStrategyMixin(ScapeStrategyMixin):
 
     def setup_optimizers(self, trainer: Any) -> None:
         super().setup_optimizers(trainer)
-        converted = self._convert_optimizers(self.optimizers)
-        rebind_schedulers([c.scheduler for c in self.lr_scheduler_configs], self.optimizers[0], converted)
-        self.optimizers = [converted]
+        self.optimizers = [self._convert_optimizers(self.optimizers)]  # in place: its schedulers follow
+        total = trainer.estimated_stepping_batches  # max_steps, or epochs x batches / accumulation
+        warning = self.scape_config.short_run_warning(int(total)) if math.isfinite(total) else None
+        if warning and self.global_rank == 0:
+            warnings.warn(warning, stacklevel=2)
 
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
@@ -154,10 +158,7 @@ class FabricStrategyMixin(ScapeStrategyMixin):
     ) -> tuple[Module, list[Optimizer], Any]:
         if len(optimizers) != 1:
             raise ValueError(f"SCAPE trains with exactly one optimizer, got {len(optimizers)}")
-        module, converted, scheduler = super().setup_module_and_optimizers(module, optimizers, scheduler)
-        if scheduler is not None:
-            rebind_schedulers([scheduler], optimizers[0], converted[0])
-        return module, converted, scheduler
+        return super().setup_module_and_optimizers(module, optimizers, scheduler)
 
     def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, **kwargs)

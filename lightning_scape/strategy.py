@@ -19,7 +19,8 @@ class ScapeStrategy(TrainerStrategyMixin, DDPStrategy):
     What it changes versus ``DDPStrategy``: it registers :func:`scape_core.scape_hook` on every
     device (stock DDP registers comm hooks only on CUDA), converts the optimizer returned by
     ``configure_optimizers`` (AdamW, Adam or AdamS, with their parameter groups and
-    hyperparameters; LR schedulers follow) to :class:`scape_core.ScapeAdamS`, writes every rank's
+    hyperparameters) in place to :class:`scape_core.ScapeAdamS` (LR schedulers and references the
+    module keeps follow), warns when ``max_steps`` ends before the warm-up and ramp, writes every rank's
     SCAPE state into checkpoints under ``"scape"`` and resumes it with ``fit(ckpt_path=...)``
     (bit-for-bit at the same world size), and logs ``scape/bytes_sent``, ``scape/dense_bytes``,
     ``scape/compression`` and ``scape/skipped_steps`` (cumulative, this rank) to the loggers and
@@ -52,13 +53,13 @@ class ScapeFabricStrategy(FabricStrategyMixin, FabricDDPStrategy):
     ``import lightning_scape`` registers it as ``Fabric(strategy="scape")`` (and ``"scape_spawn"``);
     the import is needed because Lightning has no entry-point discovery for strategies.
     ``fabric.setup(model, optimizer, scheduler=...)`` wraps the model in DDP with the SCAPE hook and
-    returns a :class:`scape_core.ScapeAdamS` built from ``optimizer`` (AdamW, Adam or AdamS; same
-    groups and hyperparameters; the scheduler follows it). Accumulate with
+    returns ``optimizer`` (AdamW, Adam or AdamS) converted in place to :class:`scape_core.ScapeAdamS`
+    (same groups and hyperparameters; a scheduler built on it follows, passed to ``setup`` or not).
+    Accumulate with
     ``fabric.no_backward_sync(model)``; ``fabric.save`` / ``fabric.load`` of a state holding the
     optimizer also carry every rank's SCAPE state (key ``"scape"``). Counters are in
-    ``fabric.strategy.scape_state.stats()``. One model and one optimizer per Fabric; with
-    ``fabric.setup_module`` + ``fabric.setup_optimizers``, build LR schedulers after the latter
-    (only ``fabric.setup(..., scheduler=...)`` can rebind one). Arguments as :class:`ScapeStrategy`.
+    ``fabric.strategy.scape_state.stats()``. One model and one optimizer per Fabric.
+    Arguments as :class:`ScapeStrategy`.
 
     Example::
 

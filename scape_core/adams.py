@@ -98,13 +98,14 @@ class AdamS(torch.optim.Optimizer):
         foreach: bool | None = None,
     ) -> None:
         check_optimizer_args(lr, betas, eps, weight_decay)
-        defaults = dict(lr=lr, betas=tuple(betas), eps=eps, weight_decay=weight_decay, foreach=foreach)
+        defaults = dict(**_as_floats(lr, betas, eps, weight_decay), foreach=foreach)
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         super().add_param_group(param_group)
         g = self.param_groups[-1]
         check_optimizer_args(g["lr"], g["betas"], g["eps"], g["weight_decay"])
+        g.update(_as_floats(g["lr"], g["betas"], g["eps"], g["weight_decay"]))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """As torch's, but ``m`` stays fp32 (torch would cast it to a bf16 parameter's dtype)."""
@@ -151,6 +152,12 @@ class AdamS(torch.optim.Optimizer):
             run(params, grads, momenta, lr=group["lr"], beta1=beta1, beta2=beta2,
                 eps=group["eps"], weight_decay=group["weight_decay"])
         return loss
+
+
+def _as_floats(lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> dict[str, Any]:
+    """Hyperparameters as Python floats (numpy scalars and ints accepted): one type in kernels and checkpoints."""
+    return dict(lr=float(lr), betas=(float(betas[0]), float(betas[1])), eps=float(eps),
+                weight_decay=float(weight_decay))
 
 
 def check_grad(p: Tensor) -> None:

@@ -7,25 +7,36 @@
 
 At the same world size every rank gets its own residual back; at another, every rank starts
 from the old ranks' mean residual (the global unsent gradient is kept), with a warning.
+
+Importing this module (``import scape_core`` does) also registers a step pre-hook common to all
+optimizers: an ``Adam`` / ``AdamW`` holding state saved by SCAPE's AdamS (a SCAPE checkpoint
+resumed without SCAPE) fails at its first step with a message that says so, where torch would
+raise ``KeyError: 'exp_avg_sq'``. It raises nowhere torch would not.
 """
 
 from __future__ import annotations
 
 import os
 import warnings
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed import distributed_c10d
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from scape_core.adams import MOMENTUM
 from scape_core.masks import Mask
 
 if TYPE_CHECKING:
     from scape_core.state import ScapeState
 
 STATE_FORMAT = 2
+ARRIVAL_TIMEOUT = 30.0  # seconds every rank has to reach save_checkpoint after the first one did
+_calls: dict[tuple[str, str], int] = {}  # (what, process group) -> collective calls started on this rank
 
 
 def state_dict(state: "ScapeState") -> dict[str, Any]:
@@ -86,16 +97,14 @@ def check_loadable(state: "ScapeState", saved: Any) -> dict[str, Tensor]:
     if shapes != ours:
         diff = sorted(set(shapes) ^ set(ours)) or [n for n in ours if shapes[n] != ours[n]]
         raise ValueError(f"SCAPE state was saved for another model: parameters differ at {diff[:5]}")
-    for key in ("sparsity", "chunk_size"):
-        if saved["config"].get(key) != getattr(state.config, key):
-            raise ValueError(f"SCAPE state was saved with {key}={saved['config'].get(key)}, this run uses "
-                             f"{key}={getattr(state.config, key)}")
+    if saved["config"].get("chunk_size") != state.config.chunk_size:  # the masks' shape depends on it
+        raise ValueError(f"SCAPE state was saved with chunk_size={saved['config'].get('chunk_size')}, this run uses "
+                         f"chunk_size={state.config.chunk_size}")
+    state.config.check_resume(saved["config"], int(saved["step"]), saved["masks"])
     if "residuals" in saved:  # gathered: one residual dict per saved rank
         per_rank = saved["residuals"]
         if len(per_rank) == state.world_size:
             return per_rank[state.rank]
-        warnings.warn(f"resuming SCAPE state saved at world size {len(per_rank)} on world size "
-                      f"{state.world_size}: every rank starts from the mean residual", stacklevel=4)
         names = set().union(*per_rank) if per_rank else set()
         return {n: torch.stack([r[n] for r in per_rank]).float().mean(0) for n in names}
     if saved["world_size"] != state.world_size or saved["rank"] != state.rank:
@@ -111,6 +120,10 @@ def load_state_dict(state: "ScapeState", saved: dict[str, Any]) -> None:
 
 
 def _restore(state: "ScapeState", saved: dict[str, Any], residual: dict[str, Tensor]) -> None:
+    saved_world = len(saved["residuals"]) if "residuals" in saved else state.world_size
+    if saved_world != state.world_size and state.rank == 0:  # once per load, on one rank
+        warnings.warn(f"resuming SCAPE state saved at world size {saved_world} on world size {state.world_size}: "
+                      "every rank starts from the mean residual", stacklevel=3)
     state._finish_pending()
     layout, device = state.layout, state.layout.device
     state.step = int(saved["step"])
@@ -132,12 +145,16 @@ def _restore(state: "ScapeState", saved: dict[str, Any], residual: dict[str, Ten
     state.counters.update(counters)
 
 
-def save_checkpoint(path: str | os.PathLike, state: "ScapeState", **objects: Any) -> None:
+def save_checkpoint(path: str | os.PathLike, state: "ScapeState", *, arrival_timeout: float = ARRIVAL_TIMEOUT,
+                    **objects: Any) -> None:
     """Write one checkpoint from rank 0 (collective: call on every rank).
 
     ``objects`` are anything with ``state_dict()`` (model, optimizer, scheduler) or plain
     values. The file is written to a temporary name and renamed, so a crash mid-write never
-    leaves a truncated checkpoint under ``path``.
+    leaves a truncated checkpoint under ``path``. Every rank's residual goes into the file, so
+    every rank must call it: a rank that does not see all the others arrive within
+    ``arrival_timeout`` seconds raises ``RuntimeError`` (the usual cause: saving under
+    ``if rank == 0:``) instead of waiting for the process-group timeout.
 
     Example:
         >>> import tempfile
@@ -148,6 +165,7 @@ def save_checkpoint(path: str | os.PathLike, state: "ScapeState", **objects: Any
         >>> sorted(load_checkpoint(path, state, model=ddp.module))
         ['model', 'scape', 'step']
     """
+    every_rank_arrives("save_checkpoint", state.process_group, arrival_timeout)
     full = gather_state_dict(state)
     if dist.get_rank(state.process_group) == 0:
         payload = {k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in objects.items()}
@@ -182,3 +200,64 @@ def load_checkpoint(path: str | os.PathLike, state: "ScapeState", **objects: Any
         obj.load_state_dict(payload[key])
     _restore(state, payload["scape"], residual)
     return payload
+
+
+def every_rank_arrives(what: str, group: dist.ProcessGroup | None, timeout: float) -> None:
+    """Raise ``RuntimeError`` unless every rank of ``group`` also calls ``what`` within ``timeout`` seconds.
+
+    Each call is matched by its number on this rank (the n-th ``what`` of every rank) through the
+    process group's key-value store, not through a collective: a rank that never comes leaves no
+    half-matched collective behind. This rank raises; the others fail at their next collective
+    once it exits. A rank that arrives after another gave up raises too. Each rank keeps one key
+    in the store (its latest call's), so frequent checkpoints do not fill it.
+
+    Example:
+        >>> every_rank_arrives("save_checkpoint", None, timeout=30.0)  # doctest: +SKIP
+    """
+    world = dist.get_world_size(group)
+    if world == 1:
+        return
+    pg = group if group is not None else dist.group.WORLD
+    rank = dist.get_rank(group)
+    number = _calls[what, pg.group_name] = _calls.get((what, pg.group_name), -1) + 1
+    store = distributed_c10d._get_process_group_store(pg)  # the group's own store (no public accessor)
+    prefix = f"scape/{what}/{number}"
+    if number:  # every rank passed the previous call (its collective followed): its key is spent
+        store.delete_key(f"scape/{what}/{number - 1}/{rank}")
+    store.set(f"{prefix}/{rank}", "1")
+    try:
+        store.wait([f"{prefix}/{r}" for r in range(world)], timedelta(seconds=timeout))
+    except dist.DistStoreError:
+        missing = [r for r in range(world) if not store.check([f"{prefix}/{r}"])]
+        store.set(f"{prefix}/abandoned", str(rank))
+        raise RuntimeError(
+            f"{what} is collective: every rank must call it. Rank(s) {missing} of {world} did not call it within "
+            f"{timeout:g} s of rank {rank}: call {what} on every rank (not under `if rank == 0:`; rank 0 alone "
+            f"writes the file). If a rank is legitimately that late, pass arrival_timeout=<seconds>.") from None
+    if store.check([f"{prefix}/abandoned"]):
+        raise RuntimeError(f"{what} is collective: rank {store.get(f'{prefix}/abandoned').decode()} stopped waiting "
+                           f"for this rank after {timeout:g} s; call {what} on every rank at the same point")
+
+
+def _refuse_scape_state_in_adam(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    """Step pre-hook of every optimizer: an Adam/AdamW holding AdamS state fails here, saying why."""
+    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
+        return None
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            held = optimizer.state.get(p)
+            if not held:
+                continue
+            if MOMENTUM in held and "exp_avg_sq" not in held:  # torch would raise KeyError: 'exp_avg_sq'
+                raise RuntimeError(
+                    f"this {type(optimizer).__name__} was loaded with optimizer state saved by SCAPE's AdamS "
+                    "('exp_avg' without 'exp_avg_sq'): the checkpoint is a SCAPE checkpoint. Resume it with SCAPE, "
+                    "as it was trained: Lightning Trainer(strategy='scape') or Fabric(strategy='scape') after "
+                    "`import lightning_scape`, Accelerate ScapePlugin().prepare(...), plain DDP "
+                    "scape_core.load_checkpoint. To continue without SCAPE, load only the model weights (Lightning: "
+                    "model.load_state_dict(torch.load(path)['state_dict']), no ckpt_path) and start a new optimizer.")
+            return None
+    return None
+
+
+_ADAM_GUARD = register_optimizer_step_pre_hook(_refuse_scape_state_in_adam)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Iterable, Mapping
 
 from scape_core.layout import MAX_CHUNK
 from scape_core.schedule import MaskSchedule
@@ -62,17 +63,21 @@ class ScapeConfig:
     def __post_init__(self) -> None:
         from scape_core.update_rules import UPDATE_RULES  # late: rules import this module
 
-        if isinstance(self.sparsity, bool) or not isinstance(self.sparsity, (int, float)):
-            raise TypeError(f"sparsity must be a float in [0, 1), got {self.sparsity!r}")
-        if not (0.0 <= float(self.sparsity) < 1.0) or math.isnan(self.sparsity):
+        normalized = {  # any real number type (numpy scalars included) is kept as a Python float / int
+            "sparsity": _real_number("sparsity", self.sparsity, "a float in [0, 1)"),
+            "warmup_steps": _check_int("warmup_steps", self.warmup_steps, minimum=0),
+            "mask_delay": _check_int("mask_delay", self.mask_delay),
+            "mask_refresh": _check_int("mask_refresh", self.mask_refresh, minimum=1),
+            "ramp_steps": _check_int("ramp_steps", self.ramp_steps, minimum=0),
+            "chunk_size": _check_int("chunk_size", self.chunk_size, minimum=16),
+        }
+        for name, value in normalized.items():
+            object.__setattr__(self, name, value)  # the dataclass is frozen
+        if not 0.0 <= self.sparsity < 1.0:
             raise ValueError(f"sparsity must be in [0, 1), got {self.sparsity!r}")
-        _check_int("warmup_steps", self.warmup_steps, minimum=0)
-        _check_int("mask_refresh", self.mask_refresh, minimum=1)
-        _check_int("ramp_steps", self.ramp_steps, minimum=0)
-        _check_int("chunk_size", self.chunk_size, minimum=16)
         if self.chunk_size > MAX_CHUNK:
             raise ValueError(f"chunk_size must be <= {MAX_CHUNK} (columns are int16), got {self.chunk_size!r}")
-        if self.mask_delay not in (0, 1) or isinstance(self.mask_delay, bool):
+        if self.mask_delay not in (0, 1):
             raise ValueError(f"mask_delay must be 0 or 1, got {self.mask_delay!r}")
         if not isinstance(self.error_feedback, bool):
             raise TypeError(f"error_feedback must be a bool, got {self.error_feedback!r}")
@@ -128,6 +133,79 @@ class ScapeConfig:
         return self.schedule.density_at(step)
 
     @property
+    def target_step(self) -> int:
+        """The first step at the target density (after the warm-up and the ramp's stages).
+
+        Example:
+            >>> ScapeConfig(sparsity=0.99, warmup_steps=10, ramp_steps=30).target_step
+            40
+            >>> ScapeConfig(sparsity=0.5, warmup_steps=10, ramp_steps=30).target_step  # no stage denser than 50%
+            10
+        """
+        stages = len(self.schedule.ramp_densities)
+        return self.warmup_steps + (-(-stages * self.ramp_steps // 3) if self.ramp_steps else 0)
+
+    def short_run_warning(self, total_steps: int) -> str | None:
+        """What a run of ``total_steps`` optimizer steps misses of this schedule; ``None`` if nothing.
+
+        For trainers that know the run's length (Lightning's ``max_steps``): a run that ends
+        inside the warm-up or the ramp never trains at the density the user asked for.
+
+        Example:
+            >>> config = ScapeConfig(sparsity=0.99, warmup_steps=2, ramp_steps=1000)
+            >>> "the run ends at density 0.25" in config.short_run_warning(8)
+            True
+        """
+        if self.dense or total_steps >= self.target_step:
+            return None
+        if total_steps <= self.warmup_steps:
+            what = (f"dense warm-up lasts warmup_steps={self.warmup_steps}: every step is dense, no "
+                    "communication is saved")
+        else:
+            what = (f"warm-up and ramp (warmup_steps={self.warmup_steps}, ramp_steps={self.ramp_steps}) reach "
+                    f"the target density {self.density:.4g} (sparsity={self.sparsity}) only at step "
+                    f"{self.target_step}: the run ends at density {self.density_at(total_steps - 1):.4g}")
+        return (f"SCAPE: this run has {total_steps} optimizer steps, but its {what}. Lower warmup_steps / "
+                "ramp_steps (or train longer) to train at the sparsity you set.")
+
+    def check_resume(self, saved: Mapping[str, Any], step: int, masks: Iterable[int]) -> None:
+        """Refuse a saved SCAPE state whose mask schedule this config cannot continue; name the setting.
+
+        ``saved`` is the checkpoint's config dict, ``step`` its step and ``masks`` the steps it
+        holds masks for. Another ``sparsity`` is refused. Another ``warmup_steps`` or
+        ``mask_delay`` is accepted when the checkpoint holds every mask this config needs
+        before it selects its own (e.g. both warm-ups ended before the saved step), and
+        refused, naming the setting, when it does not. ``ramp_steps``, ``mask_refresh`` and
+        ``score`` only shape masks not yet chosen: any value resumes.
+
+        Example:
+            >>> ScapeConfig(warmup_steps=3).check_resume(ScapeConfig(warmup_steps=10).to_dict(), step=6, masks=[])
+            ... # doctest: +ELLIPSIS
+            Traceback (most recent call last):
+            ...
+            ValueError: SCAPE state was saved at step 6 with warmup_steps=10, this run uses warmup_steps=3: here ...
+        """
+        if saved.get("sparsity") != self.sparsity:
+            raise ValueError(f"SCAPE state was saved with sparsity={saved.get('sparsity')}, this run uses "
+                             f"sparsity={self.sparsity}")
+        held = {int(t) for t in masks}
+        # masks chosen before the checkpoint: sparse steps whose selecting step (t - 1 - delay) came before it
+        needed = [t for t in range(step, step + self.mask_delay + 1)
+                  if not self.dense and t >= self.warmup_steps and t - 1 - self.mask_delay >= 0]
+        missing = [t for t in needed if t not in held]
+        if not missing:
+            return
+        changed = [n for n in ("warmup_steps", "mask_delay") if saved.get(n) != getattr(self, n)]
+        if not changed:
+            raise ValueError(f"SCAPE state of step {step} holds no mask for step(s) {missing}: it was saved "
+                             "without its scheduled masks (save with ScapeState.state_dict or gather_state_dict)")
+        was = ", ".join(f"{n}={saved.get(n)}" for n in changed)
+        now = ", ".join(f"{n}={getattr(self, n)}" for n in changed)
+        raise ValueError(f"SCAPE state was saved at step {step} with {was}, this run uses {now}: here step(s) "
+                         f"{missing} are sparse and their masks were chosen before the checkpoint, which holds "
+                         f"none for them. Resume with {was}.")
+
+    @property
     def dense(self) -> bool:
         """True when every step is dense (``sparsity == 0``)."""
         return float(self.sparsity) == 0.0
@@ -144,23 +222,52 @@ class ScapeConfig:
         return dataclasses.asdict(self)
 
 
-def _check_int(name: str, value: Any, minimum: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r}")
-    if value < minimum:
+def _what(value: Any) -> str:
+    """How an error shows a refused value: a string is called one (YAML may read ``1e-1`` as text)."""
+    return f"the string {value!r}" if isinstance(value, str) else f"{value!r} ({type(value).__name__})"
+
+
+def _real_number(name: str, value: Any, expected: str = "a real number") -> float:
+    """``value`` as a Python float if it is a real number of any type (numpy scalars included), not NaN.
+
+    Example:
+        >>> import numpy as np; _real_number("sparsity", np.float32(0.5))
+        0.5
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be {expected}, got {_what(value)}")
+    if math.isnan(value):
+        raise ValueError(f"{name} must be {expected}, got {value!r}")
+    return float(value)
+
+
+def _check_int(name: str, value: Any, minimum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {_what(value)}")
+    if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
+    return int(value)
 
 
 def check_optimizer_args(lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
-    """Validate AdamS hyperparameters, naming the bad argument."""
-    if not isinstance(lr, float | int) or lr < 0.0:  # tensors are not supported: say so plainly
-        raise ValueError(f"lr must be a non-negative number, got {lr!r}")
+    """Validate AdamS hyperparameters, naming the bad argument (NaN and inf refused, as torch refuses NaN).
+
+    Any real number type is accepted (``np.float32(1e-3)``); tensors are not.
+
+    Example:
+        >>> check_optimizer_args(float("inf"), (0.9, 0.95), 1e-8, 0.0)
+        Traceback (most recent call last):
+        ...
+        ValueError: lr must be a finite number >= 0, got inf
+    """
+    checks = [("lr", lr), ("eps", eps), ("weight_decay", weight_decay)]
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
         raise ValueError(f"betas must be a pair (beta1, beta2), got {betas!r}")
+    for name, value in checks:
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise ValueError(f"{name} must be a finite number >= 0, got {_what(value)}")
+        if not (math.isfinite(value) and value >= 0.0):
+            raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
     for i, b in enumerate(betas):
-        if not 0.0 <= b < 1.0:
+        if isinstance(b, bool) or not isinstance(b, numbers.Real) or not 0.0 <= b < 1.0:
             raise ValueError(f"betas[{i}] must be in [0, 1), got {b!r}")
-    if not eps >= 0.0:
-        raise ValueError(f"eps must be >= 0, got {eps!r}")
-    if not weight_decay >= 0.0:
-        raise ValueError(f"weight_decay must be >= 0, got {weight_decay!r}")

@@ -45,7 +45,7 @@ class ScapeAdamS(AdamS):
         >>> ddp.register_comm_hook(state, scape_hook)
         >>> opt = ScapeAdamS(ddp.parameters(), state, lr=3e-4, weight_decay=0.1)
         >>> sorted(opt.state[next(ddp.parameters())])
-        ['exp_avg', 'sq']
+        ['exp_avg', 'sq', 'step']
     """
 
     def __init__(
@@ -65,6 +65,7 @@ class ScapeAdamS(AdamS):
         self.rule = UPDATE_RULES[state.config.update]
         self._names: dict[Tensor, str] = {}  # filled by add_param_group
         self.momentum_buffer = state.layout.zeros()  # m of every coordinate, (rows, chunk) fp32
+        self.steps = torch.zeros(())  # optimizer steps taken, skipped ones included (on the CPU, as torch's Adam)
         self.statistics = {key: state.layout.zeros() for key in self.rule.statistics}
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=foreach)
         state.optimizer = self
@@ -82,6 +83,7 @@ class ScapeAdamS(AdamS):
 
     def _install_views(self, p: Tensor) -> None:
         layout, name = self.scape.layout, self._names[p]
+        self.state[p]["step"] = self.steps  # one counter shared by every parameter
         self.state[p][MOMENTUM] = layout.view(self.momentum_buffer, name).view_as(p)
         for key, buffer in self.statistics.items():
             self.state[p][key] = layout.view(buffer, name).view_as(p)
@@ -94,7 +96,7 @@ class ScapeAdamS(AdamS):
             self._install_views(p)
             for key, view in self.state[p].items():
                 if key in saved and saved[key] is not view:
-                    view.copy_(saved[key])
+                    view.copy_(saved[key])  # the step counter is shared: every parameter saved the same
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -117,6 +119,7 @@ class ScapeAdamS(AdamS):
                 names.append(self._names[p])
             groups.append((group, params))
         mask, skip = self.scape.begin_step(names)
+        self.steps += 1
         beta1, beta2, eps = self._shared_hyperparameters(groups)
         if mask is None:
             self._dense(groups, skip)

@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from scape_core import inflight
 from scape_core.config import ScapeConfig
+from scape_core.diagnose import DDPWatch
 from scape_core.layout import FlatLayout
 from scape_core.masks import Mask, age_momentum_score, momentum_residual_score, select, strided
 
@@ -50,6 +51,7 @@ class _Step:
     synced: set[str] = field(default_factory=set)
     finite: list[Tensor] = field(default_factory=list)  # one 0-dim bool per bucket: its reduced values are finite
     values: Tensor | None = None  # sparse: the mean exchanged at each mask entry (0 where a bucket was not finite)
+    applied_names: list[str] = field(default_factory=list)  # parameters with a gradient at the optimizer step
     exchanges: list[tuple[Tensor, Tensor, list[tuple[int, int]]]] = field(default_factory=list)  # sparse, per
     # bucket: its buffer, the positions of its entries there, and where they sit among the mask's entries
 
@@ -124,6 +126,7 @@ class ScapeState:
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
         _check_model(model)
+        self.watch = DDPWatch(model, self)  # says what happened when gradients arrive unsynchronized
         self.params = parameter_names(model)
         if not self.params:
             raise ValueError("the model has no trainable parameters")
@@ -254,12 +257,8 @@ class ScapeState:
         """
         missing = [n for n in names_with_grad if n not in self._current.synced]
         if missing:
-            if not self._current.synced:
-                raise RuntimeError(
-                    "ScapeAdamS.step() found gradients that scape_hook never synchronized: register "
-                    "it with ddp.register_comm_hook(state, scape_hook) before the first backward"
-                )
-            raise RuntimeError(f"gradients of {missing[:3]} were not synchronized by scape_hook this step")
+            raise RuntimeError(self.watch.explain(missing))
+        self._current.applied_names = names_with_grad
         finite = self._current.finite
         skip = ~torch.stack(finite).all() if finite else torch.zeros((), dtype=torch.bool, device=self.layout.device)
         return (None if self.is_dense(self.step) else self.masks[self.step]), skip
@@ -322,6 +321,7 @@ class ScapeState:
     def end_step(self, momentum: Tensor, beta1: float, skip: Tensor) -> None:
         """Close the step, then select the masks of upcoming steps from ``momentum`` (``(rows, chunk)``)."""
         self._skipped += skip
+        self.watch.stepped(self._current.applied_names)  # after the optimizer wrote into the buckets
         self._current = _Step()
         done, self.step = self.step, self.step + 1
         self.counters["steps"] += 1

@@ -36,6 +36,15 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, out: str) -> No
         dist.destroy_process_group()
 
 
+def failure(fn: Callable[[], Any]) -> str:
+    """``"Type: message"`` of what ``fn()`` raises (``"no error"`` if nothing): what a rank reports back."""
+    try:
+        fn()
+    except Exception as e:  # noqa: BLE001 - the message is what the tests check
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
 def run_distributed(fn: Callable, *args: Any, world_size: int = 2, timeout: float = 300) -> list[Any]:
     """``fn(rank, world_size, *args)`` on each rank; returns the ranks' results, raises their errors."""
     ctx = mp.get_context("spawn")

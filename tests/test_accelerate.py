@@ -33,7 +33,7 @@ SPARSE = dict(sparsity=0.9, warmup_steps=2)
 # ======================================================================================
 # The launched training script
 # ======================================================================================
-def _build(accelerator_kwargs: dict, scape_kwargs: dict, compile: bool = False):
+def _build(accelerator_kwargs: dict, scape_kwargs: dict, compile: bool = False, late_scheduler: bool = False):
     from accelerate import Accelerator
     from torch.optim.lr_scheduler import LambdaLR
     from torch.utils.data import DataLoader, TensorDataset
@@ -49,11 +49,16 @@ def _build(accelerator_kwargs: dict, scape_kwargs: dict, compile: bool = False):
     no_decay = [p for p in model.parameters() if p.ndim <= 1]
     optimizer = torch.optim.AdamW([{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
                                   lr=1e-2, betas=(0.9, 0.95))
-    scheduler = LambdaLR(optimizer, lambda s: 1.0 / (1.0 + 0.1 * s))
     g = torch.Generator().manual_seed(1)
     data = TensorDataset(torch.randn(128, 16, generator=g), torch.randn(128, 4, generator=g))
     loader = DataLoader(data, batch_size=4)
     scape = ScapePlugin(**scape_kwargs)
+    if late_scheduler:  # built on the user's own optimizer object after scape.prepare, prepared alone
+        mine = optimizer
+        model, optimizer, loader = scape.prepare(accelerator, model, optimizer, loader)
+        scheduler = accelerator.prepare(LambdaLR(mine, lambda s: 1.0 / (1.0 + 0.1 * s)))
+        return accelerator, scape, model, optimizer, loader, scheduler
+    scheduler = LambdaLR(optimizer, lambda s: 1.0 / (1.0 + 0.1 * s))
     model, optimizer, loader, scheduler = scape.prepare(accelerator, model, optimizer, loader, scheduler)
     return accelerator, scape, model, optimizer, loader, scheduler
 
@@ -134,6 +139,10 @@ def _script_main(out: Path) -> None:
     _train(acc, model, opt, loader, sched, 4)
     result["accumulate"] = _report(scape, model, opt, sched)
     result["accumulate"]["model"] = type(model).__name__
+    # 5. the LR scheduler built on the user's optimizer after scape.prepare: the same run as 1
+    acc, scape, model, opt, loader, sched = _build({}, SPARSE, late_scheduler=True)
+    _train(acc, model, opt, loader, sched, STEPS)
+    result["late_scheduler"] = _report(scape, model, opt, sched)
     torch.save(result, out / f"main_{rank}.pt")
 
 
@@ -240,6 +249,7 @@ def test_environment_round_trip():
     ("error_feedback: maybe\n", "key 'error_feedback'"),
     ("update: nope\n", "key 'update': update must be one of"),
     ("- 0.9\n", "expected a mapping"),
+    ('sparsity: "0.9"\n', "sparsity must be a float in [0, 1), got the string '0.9'"),  # quoted: says so
     ("sparsity: [\n", "not valid YAML"),
 ])
 def test_bad_config_file_names_file_and_key(tmp_path, text, message):
@@ -250,6 +260,48 @@ def test_bad_config_file_names_file_and_key(tmp_path, text, message):
     assert str(file) in str(e.value) and message in str(e.value)
     with pytest.raises(ValueError):  # even where the environment overrides that key
         resolve_settings(environ={"SCAPE_CONFIG_FILE": str(file), "SCAPE_SPARSITY": "0.5"})
+
+
+def test_numbers_as_written_in_yaml_and_numpy(tmp_path):
+    import numpy as np
+
+    file = tmp_path / "scape_config.yaml"
+    file.write_text("sparsity: 1e-1\nwarmup_steps: 10\n")  # PyYAML alone reads 1e-1 as the string '1e-1'
+    assert load_config_file(file) == {"sparsity": 0.1, "warmup_steps": 10}
+    s = resolve_settings({"sparsity": np.float32(0.5), "ramp_steps": np.int64(30)}, environ={"HF_HOME": str(tmp_path)})
+    assert (s.config.sparsity, s.config.ramp_steps) == (0.5, 30)
+
+
+def test_unreadable_and_unwritable_config_files_are_named(tmp_path, capsys):
+    from accelerate_scape.cli import main
+
+    file = tmp_path / "scape_config.yaml"
+    file.write_bytes(b"sparsity: 0.9\xff\n")
+    with pytest.raises(ValueError, match=f"{file}: not UTF-8 text"):
+        load_config_file(file)
+    assert main(["env", "--scape_config_file", str(file)]) == 2
+    assert f"accelerate-scape env: error: {file}: not UTF-8 text" in capsys.readouterr().err
+    blocked = tmp_path / "a_file" / "scape_config.yaml"  # its parent is a file: not writable, even as root
+    (tmp_path / "a_file").write_text("")
+    assert main(["config", "--sparsity", "0.9", "--scape_config_file", str(blocked)]) == 2
+    err = capsys.readouterr().err
+    assert f"accelerate-scape config: error: [Errno 17] cannot write the SCAPE config file {blocked}" in err
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["config", "--help"], ["env", "--help"], ["launch", "--help"]])
+def test_every_help_prints(argv, capsys, monkeypatch):
+    from accelerate_scape.cli import main
+
+    monkeypatch.setattr(sys, "argv", ["accelerate-scape", *argv])  # Accelerate's help formatter reads it
+    with pytest.raises(SystemExit) as exit:
+        main(argv)
+    out = capsys.readouterr().out
+    assert exit.value.code == 0 and out.startswith("usage: accelerate-scape")
+    if argv == ["--help"]:
+        assert all(f"    {command} " in out for command in ("config", "env", "launch"))
+    else:
+        assert argv[0] == "env" or "(25%, 6.25%, 1.6% density)" in " ".join(out.split())
 
 
 def test_bad_environment_and_arguments(tmp_path):
@@ -381,6 +433,15 @@ def test_scheduler_rebound_and_stats_logged(main_run):
     assert [step for step, _ in logged] == list(range(1, STEPS + 1))
     assert logged[-1][1]["scape/bytes_sent"] == full["stats"]["bytes_sent"]
     assert ranks[1]["full"]["logged"] is None
+
+
+def test_scheduler_built_after_prepare_on_the_users_optimizer(main_run):
+    _, ranks = main_run
+    for r in ranks:
+        late = r["late_scheduler"]
+        assert late["scheduler_bound"] and late["optimizer"] == "ScapeAdamS"
+        assert late["lr"] == late["scheduler_lr"] == r["full"]["lr"]  # the schedule reaches the optimizer that trains
+        assert torch.equal(late["params"], r["full"]["params"])
 
 
 def test_save_state_load_state_resumes_bit_for_bit(main_run):

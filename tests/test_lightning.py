@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_scape
 from lightning_scape import ScapeFabricStrategy, ScapeStrategy
 from scape_core import AdamS
-from tests.dist import run_distributed
+from tests.dist import failure, run_distributed
 
 SAMPLES = 64  # 8 batches of 4 per rank per epoch
 
@@ -115,14 +115,6 @@ def sparse(**kwargs) -> ScapeStrategy:
 
 def params(model: nn.Module) -> list[torch.Tensor]:
     return [p.detach().clone() for p in model.parameters()]
-
-
-def failure(fn) -> str:
-    try:
-        fn()
-    except Exception as e:  # noqa: BLE001 - the message is what the test checks
-        return f"{type(e).__name__}: {e}"
-    return "no error"
 
 
 # ----------------------------------------------------------------------------------------
@@ -345,6 +337,15 @@ def _fabric_part(rank, tmp):
     out["resumed"] = params(model)
 
     out["second_model"] = failure(lambda: fabric.setup(Regression().net))
+    # the scheduler is built on the user's optimizer and not given to setup: it still drives training
+    fabric = launch(strategy=ScapeFabricStrategy(sparsity=0.9, warmup_steps=2))
+    net = Regression().net
+    mine = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.StepLR(mine, step_size=1, gamma=0.5)
+    model, opt = fabric.setup(net, mine)
+    train(fabric, model, opt, scheduler, range(3))
+    out["unpassed_scheduler"] = dict(lr=opt.param_groups[0]["lr"], scheduled=scheduler.get_last_lr()[0],
+                                     same=opt.optimizer is mine, kind=type(mine).__name__)
     net = Regression().net
     sgd = torch.optim.SGD(net.parameters(), lr=0.1)
     out["sgd"] = failure(lambda: launch(strategy="scape").setup(net, sgd))
@@ -367,13 +368,56 @@ def test_fabric_setup_accumulation_save_load(ranks):
         assert r["sgd"].startswith("TypeError") and "got optimizer SGD" in r["sgd"]
         assert r["second_model"].startswith("RuntimeError") and "one model per Fabric" in r["second_model"]
         assert r["fp16"].startswith("ValueError") and "precision='16-mixed'" in r["fp16"]
+        unpassed = r["unpassed_scheduler"]
+        assert unpassed["same"] and unpassed["kind"] == "ScapeAdamS"
+        assert unpassed["lr"] == unpassed["scheduled"] == pytest.approx(1e-2 * 0.5 ** 3)
     for p, q in zip(results[0]["full"], results[1]["full"]):
         assert torch.equal(p, q)
 
 
 # ----------------------------------------------------------------------------------------
+class HalfUsed(Regression):
+    """A layer the training step never uses, and no find_unused_parameters."""
+
+    def __init__(self) -> None:
+        super().__init__(scheduler=False)
+        self.unused = nn.Linear(8, 1)
+
+
+def _misuse_part(rank, tmp):
+    out = {}
+    out["unused_layer"] = failure(lambda: trainer(sparse(), tmp, max_steps=2).fit(HalfUsed(), loader()))
+    # a run that ends inside the warm-up: said at setup, on rank 0
+    t = trainer(ScapeStrategy(sparsity=0.99, ramp_steps=1000), tmp, max_steps=8, max_epochs=-1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t.fit(Regression(), loader())
+    out["short_run"] = [str(w.message) for w in caught if "SCAPE: this run" in str(w.message)]
+    # its checkpoint resumed with the stock DDP strategy
+    path = str(Path(tmp) / "scape.ckpt")
+    t.save_checkpoint(path)
+    stock = trainer("ddp", tmp, max_steps=10, max_epochs=-1)
+    out["stock_resume"] = failure(lambda: stock.fit(Regression(), loader(), ckpt_path=path))
+    return out
+
+
+def test_misuse_in_lightning_is_named(ranks):
+    results = part(ranks, "misuse")
+    for rank, r in enumerate(results):
+        assert "parameter(s) ['unused.weight', 'unused.bias'] received no gradient" in r["unused_layer"]
+        assert "find_unused_parameters=True" in r["unused_layer"]
+        assert r["short_run"] == ([
+            "SCAPE: this run has 8 optimizer steps, but its dense warm-up lasts warmup_steps=50: every step is dense, "
+            "no communication is saved. Lower warmup_steps / ramp_steps (or train longer) to train at the sparsity "
+            "you set."] if rank == 0 else [])
+        assert r["stock_resume"].startswith("RuntimeError: this AdamW was loaded with optimizer state saved by "
+                                            "SCAPE's AdamS")
+        assert "the checkpoint is a SCAPE checkpoint" in r["stock_resume"]
+
+
+# ----------------------------------------------------------------------------------------
 PARTS = {"registered_name": _registered_name_part, "train": _train_part, "resume": _resume_part,
-         "variants": _variants_part, "fabric": _fabric_part}
+         "variants": _variants_part, "fabric": _fabric_part, "misuse": _misuse_part}
 
 
 def _all_parts(rank, world, tmp):

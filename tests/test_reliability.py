@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from scape_core import ScapeAdamS, ScapeState, gather_state_dict, load_checkpoint, save_checkpoint, scape_hook
-from tests.dist import run_distributed
+from tests.dist import failure, run_distributed
 from tests.test_core_ddp import batch, conservation_error, loss_fn, make_model, scape_setup, snapshot, train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -78,21 +78,19 @@ def test_rank_killed_under_torchrun_resumes_to_the_same_state(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------
-def _train_and_gather(rank, world, steps):
+def _train_and_save(rank, world, steps, path):
     model = make_model()
     ddp, state, opt = scape_setup(model, 0.9)
     train(ddp, opt, rank, steps)
-    return {"model": model.state_dict(), "opt": opt.state_dict(), "scape": gather_state_dict(state)}
+    save_checkpoint(path, state, model=model, optimizer=opt)
 
 
-def _resume_elsewhere(rank, world, ckpt):
+def _resume_elsewhere(rank, world, path):
     model = make_model()
-    model.load_state_dict(ckpt["model"])
     ddp, state, opt = scape_setup(model, 0.9)
-    opt.load_state_dict(ckpt["opt"])
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        state.load_state_dict(ckpt["scape"])
+        ckpt = load_checkpoint(path, state, model=model, optimizer=opt)
     old = ckpt["scape"]["residuals"]
     mean = {n: sum(r[n] for r in old) / len(old) for n in old[0]}
     mean_kept = all(torch.allclose(state.residuals[n], mean[n]) for n in mean)
@@ -101,11 +99,15 @@ def _resume_elsewhere(rank, world, ckpt):
 
 
 @pytest.mark.parametrize("old, new", [(1, 2), (2, 4)])
-def test_resume_at_another_world_size_keeps_the_mean_residual(old, new):
-    ckpt = run_distributed(_train_and_gather, 8, world_size=old)[0]
-    results = run_distributed(_resume_elsewhere, ckpt, world_size=new)
-    for caught, mean_kept, snap in results:
-        assert any(f"world size {old}" in w for w in caught) and mean_kept
+def test_resume_at_another_world_size_keeps_the_mean_residual(old, new, tmp_path):
+    run_distributed(_train_and_save, 8, str(tmp_path / "ckpt.pt"), world_size=old)
+    results = run_distributed(_resume_elsewhere, str(tmp_path / "ckpt.pt"), world_size=new)
+    for rank, (caught, mean_kept, snap) in enumerate(results):
+        assert mean_kept
+        # the warning comes once per load (not once per validation pass), from rank 0 only
+        assert [w for w in caught if "world size" in w] == ([f"resuming SCAPE state saved at world size {old} on "
+                                                             f"world size {new}: every rank starts from the mean "
+                                                             "residual"] if rank == 0 else [])
         assert all(torch.equal(a, b) for a, b in zip(snap[0] + snap[1], results[0][2][0] + results[0][2][1]))
 
 
@@ -114,7 +116,10 @@ def _truncated(rank, world, path):
     model = make_model()
     ddp, state, opt = scape_setup(model, 0.9)
     train(ddp, opt, rank, 6)
+    save_checkpoint(path, state, model=model, optimizer=opt, step=5)
     save_checkpoint(path, state, model=model, optimizer=opt, step=6)
+    store = dist.distributed_c10d._get_process_group_store(dist.group.WORLD)
+    first_key_kept = store.check([f"scape/save_checkpoint/0/{rank}"])  # only the latest call's key stays
     if rank == 0:
         data = Path(path).read_bytes()
         Path(path).write_bytes(data[: len(data) // 2])
@@ -128,13 +133,13 @@ def _truncated(rank, world, path):
     after = snapshot(model, opt), {n: r.clone() for n, r in state.residuals.items()}, state.step
     same = (all(torch.equal(a, b) for a, b in zip(before[0][0] + before[0][1], after[0][0] + after[0][1]))
             and all(torch.equal(before[1][n], after[1][n]) for n in before[1]) and before[2] == after[2])
-    return error, same
+    return error, same, first_key_kept
 
 
 def test_truncated_checkpoint_is_a_clear_error_and_changes_nothing(tmp_path):
-    for error, same in run_distributed(_truncated, str(tmp_path / "ckpt.pt")):
+    for error, same, first_key_kept in run_distributed(_truncated, str(tmp_path / "ckpt.pt")):
         assert error and "truncated" in error
-        assert same
+        assert same and not first_key_kept
 
 
 # ----------------------------------------------------------------------------------------
@@ -247,3 +252,258 @@ def test_long_run_replicas_identical_and_memory_flat():
     assert tensors_late <= tensors_early + 8, (tensors_early, tensors_late)
     assert rss_late - rss_early < 20 * 2**20, (rss_early, rss_late)
     assert stats["steps"] == steps and stats["skipped_steps"] == 0
+
+
+# ----------------------------------------------------------------------------------------
+# What users get wrong (issue 13): one launch for every multi-process case, read by the tests below.
+def _unsynchronized_steps(rank) -> dict[str, str]:
+    """Four ways gradients reach ScapeAdamS.step() without scape_hook, and no_sync-only accumulation."""
+    out = {}
+    ddp, state, opt = scape_setup(Branchy(), 0.9)  # no find_unused_parameters
+    x, y = batch(0, rank)
+    (ddp(x, False) - y).pow(2).mean().backward()  # the branch is unused
+    out["unused_layer"] = failure(opt.step)
+
+    ddp, state, opt = scape_setup(make_model(), 0.9)
+    out["second_state"] = failure(lambda: ScapeState(ddp, sparsity=0.9))
+    ddp = DDP(make_model())
+    registered, other = ScapeState(ddp, sparsity=0.9), ScapeState(ddp, sparsity=0.9)
+    ddp.register_comm_hook(registered, scape_hook)
+    opt = ScapeAdamS(ddp.parameters(), other)
+    loss_fn(ddp, *batch(0, rank)).backward()
+    out["other_state"] = failure(opt.step)
+
+    ddp, state, opt = scape_setup(make_model(), 0.9)
+    loss_fn(ddp, *batch(0, rank)).backward()
+    opt.step()
+    out["step_twice"] = failure(opt.step)
+
+    ddp, state, opt = scape_setup(make_model(), 0.9)
+    train(ddp, opt, rank, 1)
+    loss_fn(ddp.module, *batch(1, rank)).backward()
+    out["around_ddp"] = failure(opt.step)
+
+    ddp, state, opt = scape_setup(make_model(), 0.9)
+    with ddp.no_sync():
+        loss_fn(ddp, *batch(0, rank)).backward()
+    out["only_no_sync"] = failure(opt.step)
+
+    ddp = DDP(make_model())
+    state = ScapeState(ddp, sparsity=0.9)
+    opt = ScapeAdamS(ddp.parameters(), state)
+    loss_fn(ddp, *batch(0, rank)).backward()
+    out["no_hook"] = failure(opt.step)
+    return out
+
+
+def _changed_schedule(rank) -> dict[str, str]:
+    """Resume with another warm-up or mask delay: refused at load, naming the setting, unless harmless."""
+    out = {}
+    saved = {}
+    for name, cfg in {"warmup10": dict(warmup=10), "delay0": dict(warmup=3, mask_delay=0),
+                      "warmup3": dict(warmup=3)}.items():
+        model = make_model()
+        ddp, state, opt = scape_setup(model, 0.9, **cfg)
+        train(ddp, opt, rank, 6)
+        saved[name] = gather_state_dict(state)
+    _, state, _ = scape_setup(make_model(), 0.9, warmup=3)
+    out["warmup"] = failure(lambda: state.load_state_dict(saved["warmup10"]))
+    out["warmup_untouched"] = state.step == 0
+    _, state, _ = scape_setup(make_model(), 0.9, warmup=3, mask_delay=1)
+    out["mask_delay"] = failure(lambda: state.load_state_dict(saved["delay0"]))
+    # both warm-ups ended before step 6: the checkpoint's masks cover the steps ahead, so it resumes
+    model = make_model()
+    ddp, state, opt = scape_setup(model, 0.9, warmup=4)
+    state.load_state_dict(saved["warmup3"])
+    train(ddp, opt, rank, 3, start=6)
+    out["harmless_change_steps"] = state.step
+    return out
+
+
+def _optimizer_misuse(rank) -> dict:
+    out = {}
+    _, state, _ = scape_setup(make_model(), 0.9)
+    state.optimizer = None  # a second optimizer on this state, for the argument checks only
+    for lr in (float("nan"), float("inf")):
+        out[f"lr={lr}"] = failure(lambda: ScapeAdamS(state.params.values(), state, lr=lr))
+    # a user's AdamW, its scheduler and their own reference, converted in place
+    from scape_core.convert import to_scape_adams
+
+    model = make_model()
+    ddp = DDP(model)
+    state = ScapeState(ddp, sparsity=0.9, warmup_steps=2)
+    ddp.register_comm_hook(state, scape_hook)
+    mine = torch.optim.AdamW(ddp.parameters(), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.StepLR(mine, step_size=1, gamma=0.5)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        opt = to_scape_adams(mine, state)
+        for step in range(4):
+            loss_fn(ddp, *batch(step, rank)).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+            scheduler.step()
+        mine.param_groups[0]["lr"] = 0.0  # the user's own reference still drives training
+        before = [p.detach().clone() for p in model.parameters()]
+        train(ddp, mine, rank, 1, start=4)
+    out["in_place"] = dict(same=opt is mine, kind=type(mine).__name__, scheduler_lr=scheduler.get_last_lr()[0],
+                           lr_after_schedule=0.01 * 0.5 ** 4, steps=state.step,
+                           adam_keys=sorted({k for s in mine.state.values() for k in s}),
+                           warnings=[str(w.message) for w in caught],
+                           frozen_by_lr0=all(torch.equal(a, b) for a, b in zip(model.parameters(), before)))
+    # a SCAPE optimizer state resumed into AdamW (the checkpoint of a SCAPE run, resumed without SCAPE)
+    plain = torch.optim.AdamW(model.parameters(), lr=0.01)
+    plain.load_state_dict(opt.state_dict())
+    loss_fn(model, *batch(9, rank)).backward()
+    out["adamw_resumed"] = failure(plain.step)
+    return out
+
+
+def _save_on_rank0_only(rank, tmp):
+    """Last in the launch: a rank-0-only save leaves the ranks' save counts apart."""
+    import time
+
+    model = make_model()
+    ddp, state, opt = scape_setup(model, 0.9)
+    train(ddp, opt, rank, 4)
+    if rank != 0:  # rank 1 goes on to its next collective, as a training loop would
+        dist.barrier()
+        return None
+    start = time.monotonic()
+    error = failure(lambda: save_checkpoint(Path(tmp) / "ckpt.pt", state, arrival_timeout=2, model=model))
+    elapsed = time.monotonic() - start
+    dist.barrier()
+    return error, elapsed, (Path(tmp) / "ckpt.pt").exists()
+
+
+def _misuse_launch(rank, world, tmp):
+    return dict(unsynchronized=_unsynchronized_steps(rank), schedule=_changed_schedule(rank),
+                optimizer=_optimizer_misuse(rank), save_rank0=_save_on_rank0_only(rank, tmp))
+
+
+@pytest.fixture(scope="module")
+def misuse(tmp_path_factory):
+    return run_distributed(_misuse_launch, str(tmp_path_factory.mktemp("misuse")))
+
+
+def test_unsynchronized_gradients_say_what_happened(misuse):
+    for r in misuse:
+        out = r["unsynchronized"]
+        assert "parameter(s) ['branch.weight', 'branch.bias'] received no gradient" in out["unused_layer"]
+        assert "find_unused_parameters=True" in out["unused_layer"]
+        assert out["second_state"].startswith("ValueError") and "already has scape_hook registered with another " \
+            "ScapeState" in out["second_state"]
+        assert "registered on this DDP model with another ScapeState" in out["other_state"]
+        assert "called again with no backward since the last step" in out["step_twice"]
+        assert "without a forward through the DistributedDataParallel model (e.g. ddp.module(x)" in out["around_ddp"]
+        assert "ran under ddp.no_sync()" in out["only_no_sync"]
+        assert "register it with ddp.register_comm_hook(state, scape_hook)" in out["no_hook"]
+        others = [v for k, v in out.items() if k != "no_hook"]
+        assert not any("register_comm_hook(state, scape_hook) before" in v for v in others)
+
+
+def test_resume_with_another_schedule_names_the_setting(misuse):
+    for r in misuse:
+        out = r["schedule"]
+        assert out["warmup"].startswith("ValueError: SCAPE state was saved at step 6 with warmup_steps=10, this "
+                                        "run uses warmup_steps=3") and "Resume with warmup_steps=10" in out["warmup"]
+        assert out["warmup_untouched"]
+        assert "with mask_delay=0, this run uses mask_delay=1" in out["mask_delay"]
+        assert "step(s) [7]" in out["mask_delay"]
+        assert out["harmless_change_steps"] == 9
+
+
+def test_lr_nan_and_inf_are_refused(misuse):
+    for r in misuse:
+        assert r["optimizer"]["lr=nan"] == "ValueError: lr must be a finite number >= 0, got nan"
+        assert r["optimizer"]["lr=inf"] == "ValueError: lr must be a finite number >= 0, got inf"
+    from scape_core import AdamS
+
+    for lr in (float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="lr must be a finite number >= 0"):
+            AdamS(make_model().parameters(), lr=lr)
+        with pytest.raises(ValueError, match="lr must be a finite number >= 0"):
+            AdamS([{"params": make_model().parameters(), "lr": lr}])
+
+
+def test_conversion_keeps_the_users_optimizer_object(misuse):
+    for r in misuse:
+        out = r["optimizer"]["in_place"]
+        assert out["same"] and out["kind"] == "ScapeAdamS"
+        assert out["scheduler_lr"] == out["lr_after_schedule"]  # the schedule reached the optimizer that trains
+        assert "exp_avg" in out["adam_keys"] and "exp_avg_sq" not in out["adam_keys"]  # AdamS ran, not AdamW
+        assert out["steps"] == 5 and out["frozen_by_lr0"]
+        assert not out["warnings"], out["warnings"]  # e.g. no "lr_scheduler.step() before optimizer.step()"
+
+
+def test_scape_optimizer_state_in_adamw_says_it_is_a_scape_checkpoint(misuse):
+    message = misuse[0]["optimizer"]["adamw_resumed"]
+    assert message.startswith("RuntimeError: this AdamW was loaded with optimizer state saved by SCAPE's AdamS")
+    assert "the checkpoint is a SCAPE checkpoint" in message and "strategy='scape'" in message
+    assert "KeyError" not in message
+
+
+def test_save_checkpoint_on_rank_0_only_fails_in_seconds(misuse):
+    error, elapsed, written = misuse[0]["save_rank0"]
+    assert error.startswith("RuntimeError: save_checkpoint is collective: every rank must call it. Rank(s) [1] of 2 "
+                            "did not call it within 2 s of rank 0")
+    assert "not under `if rank == 0:`" in error and "arrival_timeout" in error
+    assert 2 <= elapsed < 10 and not written
+
+
+def test_numbers_of_any_numeric_type_are_accepted():
+    import numpy as np
+
+    from scape_core import AdamS, ScapeConfig
+
+    config = ScapeConfig(sparsity=np.float32(0.5), warmup_steps=np.int64(10), mask_delay=np.int64(0),
+                         ramp_steps=np.uint16(30), mask_refresh=np.int32(2))
+    assert config == ScapeConfig(sparsity=0.5, warmup_steps=10, mask_delay=0, ramp_steps=30, mask_refresh=2)
+    assert type(config.sparsity) is float and type(config.warmup_steps) is int  # checkpoints stay plain types
+    opt = AdamS(make_model().parameters(), lr=np.float32(0.5), betas=(np.float64(0.9), 0.95), weight_decay=np.int64(0))
+    assert opt.param_groups[0]["lr"] == 0.5 and type(opt.param_groups[0]["lr"]) is float
+    with pytest.raises(TypeError, match=r"sparsity must be a float in \[0, 1\), got the string '1e-1'"):
+        ScapeConfig(sparsity="1e-1")
+    with pytest.raises(TypeError, match=r"warmup_steps must be an int, got 2.5 \(float\)"):
+        ScapeConfig(warmup_steps=2.5)
+    with pytest.raises(ValueError, match=r"lr must be a finite number >= 0, got the string '1e-3'"):
+        AdamS(make_model().parameters(), lr="1e-3")
+
+
+def test_run_shorter_than_the_schedule_is_described():
+    from scape_core import ScapeConfig
+
+    assert ScapeConfig(sparsity=0.99, warmup_steps=50, ramp_steps=1000).short_run_warning(8).startswith(
+        "SCAPE: this run has 8 optimizer steps, but its dense warm-up lasts warmup_steps=50: every step is dense")
+    assert "ends at density 0.25" in ScapeConfig(sparsity=0.99, warmup_steps=2, ramp_steps=1000).short_run_warning(8)
+    assert ScapeConfig(sparsity=0.99, warmup_steps=2, ramp_steps=9).short_run_warning(11) is None
+    assert ScapeConfig(sparsity=0.0).short_run_warning(1) is None
+
+
+def test_conversion_in_place_without_a_process_group():
+    from scape_core.convert import to_adams
+
+    model = make_model()
+    opt = torch.optim.AdamW([{"params": model[0].parameters(), "tag": "first"},
+                             {"params": model[2:].parameters(), "lr": 5e-3}], lr=1e-2, fused=False)
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
+    seen = []
+    opt.register_step_post_hook(lambda o, args, kwargs: seen.append(type(o).__name__))
+    groups, first = opt.param_groups, opt.param_groups[0]
+    assert to_adams(opt) is opt
+    assert opt.param_groups is groups and opt.param_groups[0] is first and first["tag"] == "first"
+    assert "fused" not in first and first["initial_lr"] == 1e-2
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for step in range(2):
+            loss_fn(model, *batch(step, 0)).backward()
+            opt.step()
+            opt.zero_grad()
+            scheduler.step()
+    assert seen == ["AdamS", "AdamS"] and [g["lr"] for g in opt.param_groups] == [2.5e-3, 1.25e-3]
+    refused = torch.optim.AdamW(make_model().parameters(), lr=1e-2)
+    refused.step = lambda *a, **k: None  # a wrapper SCAPE cannot carry over: refused, nothing changed
+    with pytest.raises(ValueError, match="step was replaced on this object"):
+        to_adams(refused)
+    assert type(refused) is torch.optim.AdamW
