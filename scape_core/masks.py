@@ -52,7 +52,7 @@ def age_momentum_score(m: Tensor, synced_at: Tensor | None, target: int, out: Te
     of the buffers' size is made, which on the CPU costs more than the arithmetic).
 
     Example:
-        >>> age_momentum_score(torch.tensor([[1.0, -2.0]]), torch.tensor([[3, 1]], dtype=torch.int32), target=5)
+        >>> age_momentum_score(torch.tensor([[1.0, -2.0]]), torch.tensor([[3.0, 1.0]]), target=5)
         tensor([[1., 6.]])
     """
     if synced_at is None:

@@ -85,7 +85,7 @@ class ScapeState:
     with a view per parameter name: checkpoints stay keyed by name, never by DDP bucket, so the
     bucket rebuild, several buckets, ``gradient_as_bucket_view``, ``static_graph`` and
     ``no_sync`` are safe and :meth:`state_dict` resumes bit-for-bit. Memory over AdamS: one fp32
-    residual and one int32 window per parameter, plus the masks (int16, ``k`` per row).
+    residual and one fp32 window per parameter, plus the masks (int16, ``k`` per row).
 
     Non-finite gradients: a rank with a NaN/inf in a bucket poisons that bucket's exchange, so
     every rank sees a non-finite reduction and all skip the optimizer step together (counted in
@@ -144,7 +144,9 @@ class ScapeState:
         self.step = 0  # optimizer steps taken (skipped ones included)
         self._sparse = False
         self.residual_buffer: Tensor | None = None  # (rows, chunk) fp32, this rank's unsent gradient: from the first sparse step
-        self.window_buffer: Tensor | None = None  # (rows, chunk) int32, the step each coordinate was last exchanged at
+        # (rows, chunk) fp32 (exact to 2^24 steps; the score computes in fp32 anyway): the step each
+        # coordinate was last exchanged at
+        self.window_buffer: Tensor | None = None
         self.masks: dict[int, Mask] = {}  # step -> mask used at that step
         self._strided: dict[float, Mask] = {}
         self._pending: tuple[int, Any, Tensor] | None = None  # (step, work, gathered columns)
@@ -197,7 +199,7 @@ class ScapeState:
         if self.residual_buffer is None and self.config.error_feedback:
             self.residual_buffer = self.layout.zeros()
         if self.window_buffer is None and self.config.keeps_windows:  # the warm-up exchanged everything
-            self.window_buffer = torch.full((self.layout.rows, self.layout.chunk), self.step - 1, dtype=torch.int32,
+            self.window_buffer = torch.full((self.layout.rows, self.layout.chunk), self.step - 1, dtype=torch.float32,
                                       device=self.layout.device)
 
     def residual(self, name: str) -> Tensor:
@@ -316,7 +318,7 @@ class ScapeState:
         flat = self.window_buffer.view(-1)
         last = flat.index_select(0, entries)
         flat.index_copy_(0, entries, torch.where(applied, self.step, last))
-        return last.neg_().add_(self.step).float()
+        return last.neg_().add_(self.step)
 
     def end_step(self, momentum: Tensor, beta1: float, skip: Tensor) -> None:
         """Close the step, then select the masks of upcoming steps from ``momentum`` (``(rows, chunk)``)."""
