@@ -311,9 +311,10 @@ def summary(*, title: str, val_before: float, val_after: float, tokens: int, sec
             dense = stats["dense_bytes"] - warmup_stats["dense_bytes"]
             lines.append(f"    dense warm-up   {megabytes(warmup_stats['bytes_sent'])} in "
                          f"{plural(warmup_stats['steps'])}")
+            masks = stats["mask_bytes"] - warmup_stats["mask_bytes"]  # 0 with a replicated score: each rank selects
             lines.append(f"    sparse steps    {megabytes(sent)} vs {megabytes(dense)} dense in "
-                         f"{plural(stats['steps'] - warmup_stats['steps'])}: {dense / max(sent, 1):.1f}x "
-                         f"(masks {megabytes(stats['mask_bytes'] - warmup_stats['mask_bytes'])} of it)")
+                         f"{plural(stats['steps'] - warmup_stats['steps'])}: {dense / max(sent, 1):.1f}x"
+                         + (f" (masks {megabytes(masks)} of it)" if masks else " (values only: no mask bytes)"))
     if plot:
         lines.append(f"  loss curve        {plot}")
     return "\n".join(lines)

@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
                device=device.type, val_before=before, val_after=val_loss, seconds=seconds,
                train_curve=train_curve, val_curve=val_curve, stats=state.stats(), warmup_stats=warmup_stats)
         print(f"  state.stats()     {state.stats()}")
-    state.wait()  # the next mask's all-gather is still in flight
+    state.wait()  # no SCAPE collective in flight when the process group goes
     dist.destroy_process_group()
 
 

@@ -104,7 +104,7 @@ def main() -> None:
         f"{digest(model.parameters())} {digest(moments)} {digest(residuals)} {state.step}\n")
     (args.out / f"rank{rank}.json").write_text(json.dumps(where()))
     torch.save([p.detach() for p in model.parameters()], args.out / f"rank{rank}.pt")
-    state.wait()  # the next mask's all-gather is still in flight
+    state.wait()  # no SCAPE collective in flight when the process group goes
     dist.destroy_process_group()
 
 
