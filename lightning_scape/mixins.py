@@ -65,6 +65,9 @@ class ScapeStrategyMixin:
         if unknown:
             raise TypeError(f"{type(self).__name__} got unknown argument(s) {unknown}: expected ScapeConfig "
                             f"fields {sorted(_CONFIG_FIELDS)}, strategy or DistributedDataParallel arguments")
+        # p.grad as views of DDP's buckets: SCAPE's optimizer reads and writes the buckets, so it
+        # then skips copying every gradient back into them (and DDP keeps one copy, not two)
+        kwargs.setdefault("gradient_as_bucket_view", True)
         super().__init__(**kwargs)
         self.scape_state: ScapeState | None = None
 

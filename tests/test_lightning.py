@@ -460,7 +460,10 @@ def test_registration_and_arguments():
 
     s = ScapeStrategy(sparsity=0.9, warmup_steps=7, find_unused_parameters=True, start_method="spawn")
     assert (s.scape_config.sparsity, s.scape_config.warmup_steps) == (0.9, 7)
-    assert s._ddp_kwargs == {"find_unused_parameters": True} and s._start_method == "spawn"
+    # SCAPE's default gradient_as_bucket_view=True (its optimizer works through the buckets), the user's overrides it
+    assert s._ddp_kwargs == {"find_unused_parameters": True, "gradient_as_bucket_view": True}
+    assert s._start_method == "spawn"
+    assert ScapeStrategy(gradient_as_bucket_view=False)._ddp_kwargs == {"gradient_as_bucket_view": False}
     with pytest.raises(TypeError, match="unknown argument.*sparsty"):
         ScapeStrategy(sparsty=0.9)
     with pytest.raises(TypeError, match="ddp_comm_hook is not supported"):
