@@ -44,7 +44,8 @@ def main(argv: list[str] | None = None) -> None:
     train = DataLoader(train_set, batch_size=args.batch_size, sampler=sampler, drop_last=True)
     val = DataLoader(val_set, batch_size=args.batch_size, sampler=DistributedSampler(val_set, shuffle=False))
 
-    ddp = DistributedDataParallel(model.to(device), device_ids=[local_rank] if cuda else None)
+    ddp = DistributedDataParallel(model.to(device), device_ids=[local_rank] if cuda else None,
+                                  gradient_as_bucket_view=True)  # SCAPE reads and writes the buckets
     # --- SCAPE: a state, the hook, and the optimizer that pairs with it ---
     state = ScapeState(ddp, sparsity=args.sparsity, warmup_steps=args.warmup_steps, ramp_steps=args.ramp_steps)
     ddp.register_comm_hook(state, scape_hook)

@@ -80,6 +80,9 @@ class ScapeState:
       critical path); 0 selects it at the end of the step before (ablation).
     - ``mask_refresh``: steps between new masks; larger saves selection time.
     - ``chunk_size``: masks pick the same share of every row of this many coordinates.
+    - Build DDP with ``gradient_as_bucket_view=True`` where you can: the optimizer reads and
+      writes the synchronized gradients in DDP's buckets; otherwise it first copies every
+      ``p.grad`` back into them (the Lightning strategies set it).
 
     The residual and the windows are flat ``(rows, chunk)`` buffers (:mod:`scape_core.layout`)
     with a view per parameter name: checkpoints stay keyed by name, never by DDP bucket, so the
