@@ -29,6 +29,9 @@ CASES = {  # every sparse case runs at its named density (ramp_steps=0) unless i
     "dense": dict(config=dict(sparsity=0.0), steps=10),
     # rank 1's loss is non-finite at a dense step (1) and at a sparse step (6): both steps are skipped
     "skips": dict(config=dict(sparsity=0.9, warmup_steps=3, ramp_steps=0), steps=10, nonfinite_at=(1, 6)),
+    # rank 1's last layer alone gets a NaN gradient at a sparse step: its bucket is dropped, the others' values return
+    "skip_one_bucket": dict(config=dict(sparsity=0.9, warmup_steps=3, ramp_steps=0), steps=9, bucket_cap_mb=0.01,
+                            nan_grad_at=6),
     "bf16": dict(config=dict(sparsity=0.9, warmup_steps=2, ramp_steps=0), steps=12, dtype=torch.bfloat16),
 }
 
@@ -78,7 +81,12 @@ def _record(rank: int, world: int, cases: dict) -> dict:
             loss = (ddp(x) - y).float().pow(2).mean()
             if rank == 1 and t in spec.get("nonfinite_at", ()):
                 loss = loss * float("inf")
+            poison = None
+            if rank == 1 and t == spec.get("nan_grad_at"):
+                poison = model[-1].weight.register_hook(lambda g: torch.full_like(g, float("nan")))
             loss.backward()
+            if poison is not None:
+                poison.remove()
             used = probe.mask(state, t)
             groups = None if used is None else probe.selection_groups(state, t)
             synced = {n: p.grad.detach().reshape(-1).double().clone() for n, p in state.params.items()}
@@ -204,6 +212,27 @@ def test_skipped_steps_change_nothing_and_lose_nothing(runs):
         residual = sum(r["after"]["residual"][name] for r in steps[-1]) / len(steps[-1])
         close(applied + residual, grads, f"conservation of {name}", rtol=1e-5, atol=1e-5)
     assert any(r["after"]["residual"][n].abs().sum() > 0 for r in steps[-1] for n in names)  # really held back
+
+
+def test_a_dropped_bucket_loses_its_gradient_and_clean_buckets_lose_nothing(runs):
+    steps = steps_of(runs, "skip_one_bucket")
+    bad = CASES["skip_one_bucket"]["nan_grad_at"]
+    assert all(r["skip_one_bucket"]["skipped"] == 1 for r in runs)
+    for rank, rec in enumerate(steps[bad]):  # the step is skipped: parameters and m stay
+        for name in rec["before"]["param"]:
+            assert torch.equal(rec["after"]["param"][name], rec["before"]["param"][name]), (rank, name)
+            assert torch.equal(rec["after"]["m"][name], rec["before"]["m"][name]), (rank, name)
+    dropped, kept = [], []
+    for name in steps[0][0]["before"]["param"]:
+        applied = sum(recs[0]["synced"][name] for t, recs in enumerate(steps) if t != bad)
+        mean = [sum(r["grads"][name] for r in recs) / len(recs) for recs in steps]
+        residual = sum(r["after"]["residual"][name] for r in steps[-1]) / len(steps[-1])
+        without = (applied + residual - sum(g for t, g in enumerate(mean) if t != bad)).abs().max()
+        with_it = (applied + residual - sum(mean)).abs().max() if mean[bad].isfinite().all() else float("inf")
+        assert min(without, with_it) < 1e-5, f"{name}: gradient mass lost ({without}, {with_it})"
+        (dropped if without < 1e-5 else kept).append(name)
+    # the poisoned layer's bucket dropped that step's gradient; a clean bucket's values went back to the residuals
+    assert "4.weight" in dropped and kept, (dropped, kept)
 
 
 def test_bf16_parameters_follow_the_contract_to_bf16_rounding(runs):

@@ -289,6 +289,18 @@ def _misuse(rank, world):
     except ValueError as e:
         errors["not_scape"] = str(e)
     errors["other_state_untouched"] = other_state.step == 0 and not other_state.residuals
+    model = make_model()  # groups may differ in lr and weight decay, not in betas or eps (one masked update)
+    ddp = DDP(model)
+    state = ScapeState(ddp, sparsity=0.9, warmup_steps=0, ramp_steps=0)
+    ddp.register_comm_hook(state, scape_hook)
+    layers = list(model.children())
+    opt = ScapeAdamS([{"params": layers[0].parameters(), "betas": (0.8, 0.95)},
+                      {"params": [p for m in layers[1:] for p in m.parameters()], "weight_decay": 0.0}], state)
+    loss_fn(ddp, *batch(0, rank)).backward()
+    try:
+        opt.step()
+    except ValueError as e:
+        errors["group_betas"] = str(e)
     return errors
 
 
@@ -303,6 +315,7 @@ def test_misuse_gives_clear_errors():
     assert "sparsity=0.9" in errors["other_sparsity"]
     assert "not a SCAPE state" in errors["not_scape"]
     assert errors["other_state_untouched"] is True
+    assert "same betas and eps in every parameter group" in errors["group_betas"]
 
 
 # ----------------------------------------------------------------------------------------
