@@ -169,7 +169,8 @@ def save_checkpoint(path: str | os.PathLike, state: "ScapeState", *, arrival_tim
     """Write one checkpoint from rank 0 (collective: call on every rank).
 
     ``objects`` are anything with ``state_dict()`` (model, optimizer, scheduler) or plain
-    values. The file is written to a temporary name and renamed, so a crash mid-write never
+    values; a sharded optimizer (``shard_optimizer=True``) is consolidated on rank 0 first, so
+    the file holds every parameter's whole state and loads at any world size, sharded or not. The file is written to a temporary name and renamed, so a crash mid-write never
     leaves a truncated checkpoint under ``path``. Every rank's residual goes into the file, so
     every rank must call it: a rank that does not see all the others arrive within
     ``arrival_timeout`` seconds raises ``RuntimeError`` (the usual cause: saving under
@@ -186,6 +187,9 @@ def save_checkpoint(path: str | os.PathLike, state: "ScapeState", *, arrival_tim
     """
     every_rank_arrives("save_checkpoint", state.process_group, arrival_timeout)
     full = gather_state_dict(state)
+    for obj in objects.values():  # a sharded optimizer (ScapeAdamS, torch's ZeroRedundancyOptimizer) gathers first
+        if hasattr(obj, "consolidate_state_dict"):
+            obj.consolidate_state_dict(to=0)
     if dist.get_rank(state.process_group) == 0:
         payload = {k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in objects.items()}
         payload["scape"] = full

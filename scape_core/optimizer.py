@@ -115,12 +115,13 @@ class ScapeAdamS(AdamS):
         """As torch's: every parameter's whole ``m`` and statistics, keyed by index.
 
         Sharded: a collective that gathers every rank's shard (call it on every rank; a rank
-        that waits alone for ``arrival_timeout`` seconds raises), or, right after
-        :meth:`consolidate_state_dict`, the state it gathered. The result loads into a sharded or
-        replicated ``ScapeAdamS`` at any world size.
+        that waits alone for 30 s raises), or, on the rank a :meth:`consolidate_state_dict` just
+        gathered onto, what it gathered (once). The result loads into a sharded or replicated
+        ``ScapeAdamS`` at any world size.
         """
-        if self._consolidated is not None:
-            return self._consolidated
+        if self._consolidated is not None:  # once: a later call gathers again, on every rank
+            full, self._consolidated = self._consolidated, None
+            return full
         if not self.scape.sharded:
             return super().state_dict()
         return self._gathered_state_dict()
@@ -128,7 +129,8 @@ class ScapeAdamS(AdamS):
     def consolidate_state_dict(self, to: int = 0) -> None:
         """Gather the whole state for :meth:`state_dict` on rank ``to`` (collective), as
         ``ZeroRedundancyOptimizer``'s; Lightning and Fabric call it before saving. Nothing to do
-        when not sharded. The next :meth:`step` drops what was gathered.
+        when not sharded. The next :meth:`state_dict` on rank ``to`` returns it (once); the next
+        :meth:`step` drops it.
 
         Example:
             >>> opt.consolidate_state_dict()                                      # doctest: +SKIP

@@ -8,6 +8,7 @@ resume exactly at the same world size and keep the global state at another.
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -97,3 +98,93 @@ def test_sharded_is_bit_identical_to_replicated_at_4_ranks():
     results = run_distributed(_both_modes, STEPS, cases, world_size=4)
     assert _check_identical(results, "defaults", STEPS) == 70
     assert _check_identical(results, "99%, chunk 64", STEPS) == 100
+
+
+# ----------------------------------------------------------------------------------------
+def full_state(state, opt) -> dict:
+    """Every parameter's whole m, sq and windows, and this rank's residual (collective)."""
+    from scape_core import gather_state_dict
+
+    optimizer = opt.state_dict()
+    saved = gather_state_dict(state)
+    return {"optimizer": {i: {k: v.clone() for k, v in s.items() if k != "step"} for i, s in optimizer["state"].items()},
+            "windows": saved["windows"], "residual": {n: r.clone() for n, r in state.residuals.items()},
+            "step": state.step}
+
+
+CONFIG = dict(sparsity=0.99, warmup_steps=5, ramp_steps=15, chunk_size=64)
+
+
+def _save(rank, world, steps, sharded, path):
+    from scape_core import save_checkpoint
+
+    model, ddp, state, opt = setup(sharded, **CONFIG)
+    train(ddp, opt, rank, steps)
+    save_checkpoint(path, state, model=model, optimizer=opt)
+    return full_state(state, opt), (ddp, opt)
+
+
+def _load(rank, world, steps, sharded, path):
+    import warnings
+
+    from scape_core import load_checkpoint
+
+    model, ddp, state, opt = setup(sharded, seed=123, **CONFIG)  # other weights: everything comes from the file
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # another world size: the mean residual, with a warning
+        load_checkpoint(path, state, model=model, optimizer=opt)
+    loaded = full_state(state, opt)
+    train(ddp, opt, rank, steps, start=state.step)
+    return loaded, [p.detach().clone() for p in model.parameters()]
+
+
+def _interchange(rank, world, path):
+    """40 sharded steps straight; then 20 + save + load + 20, sharded and replicated on either side."""
+    saved, (ddp, opt) = _save(rank, world, 20, True, path + ".straight")
+    train(ddp, opt, rank, 20, start=20)
+    straight = [p.detach().clone() for p in ddp.module.parameters()]
+    out = {}
+    for saved_sharded, loaded_sharded in ((True, True), (True, False), (False, True)):
+        saved = _save(rank, world, 20, saved_sharded, path)[0]
+        out[saved_sharded, loaded_sharded] = (saved, *_load(rank, world, 20, loaded_sharded, path))
+    return straight, out
+
+
+def _reshard_save(rank, world, path):
+    return _save(rank, world, 20, True, path)[0]
+
+
+def _reshard_load(rank, world, path):
+    return _load(rank, world, 5, True, path), _load(rank, world, 5, False, path)
+
+
+def same(a: dict, b: dict) -> bool:
+    """Nested dicts of tensors, bit for bit."""
+    if a.keys() != b.keys():
+        return False
+    return all(same(a[k], b[k]) if isinstance(a[k], dict) else
+               torch.equal(a[k], b[k]) if torch.is_tensor(a[k]) else a[k] == b[k] for k in a)
+
+
+def test_checkpoint_resumes_bit_for_bit_and_interchanges_with_the_replicated_mode(tmp_path):
+    for rank, (straight, runs) in enumerate(run_distributed(_interchange, str(tmp_path / "ckpt.pt"))):
+        for (saved_sharded, loaded_sharded), (saved, loaded, params) in runs.items():
+            where = f"saved sharded={saved_sharded}, loaded sharded={loaded_sharded}, rank {rank}"
+            assert same(loaded, saved), f"{where}: the loaded state is not the saved one"
+            assert all(torch.equal(a, b) for a, b in zip(params, straight)), f"{where}: parameters"
+
+
+@pytest.mark.parametrize("old, new", [(2, 4), (4, 2)])
+def test_checkpoint_reshards_at_another_world_size(old, new, tmp_path):
+    path = str(tmp_path / "ckpt.pt")
+    saved = run_distributed(_reshard_save, path, world_size=old)
+    mean = {n: sum(s["residual"][n] for s in saved) / old for n in saved[0]["residual"]}
+    for rank, ((loaded, params), (_, replicated)) in enumerate(run_distributed(_reshard_load, path, world_size=new)):
+        # m, sq, windows: every parameter's whole state, as saved; the residual: the old ranks' mean
+        assert same(loaded["optimizer"], saved[0]["optimizer"]) and same(loaded["windows"], saved[0]["windows"])
+        assert all(torch.allclose(loaded["residual"][n], mean[n]) for n in mean)
+        # resharded correctly: the same next steps as the replicated mode resumed from the same file
+        assert all(torch.equal(a, b) for a, b in zip(params, replicated)), f"rank {rank}"
+        if rank:
+            assert all(torch.equal(a, b) for a, b in zip(params, first)), f"rank {rank}: replicas differ"
+        first = params
