@@ -86,6 +86,8 @@ def _variants(rank, world, sparsity):
         train(ddp, opt, rank, 45, start=5)
         after = state.stats()
         sparse = {k: after[k] - before[k] for k in ("bytes_sent", "dense_bytes", "hook_calls", "steps")}
+        # one plan per live bucket: none left from before DDP's bucket rebuild (it would hold the old buffer)
+        assert sorted(n for plan in state.buckets.values() for n in plan.names) == sorted(state.params), name
         out[name] = snapshot(model, opt) + (sparse,)
     return out
 
