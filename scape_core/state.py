@@ -343,6 +343,8 @@ class ScapeState:
         if self.config.mask_delay == 0:
             self._finish_pending()
         self.masks = {s: m for s, m in self.masks.items() if s >= self.step}
+        if self._strided and self.step > self.schedule.first_selected():  # every later mask is selected
+            self._strided.clear()
 
     def _select(self, target: int, momentum: Tensor, beta1: float) -> None:
         """Score and pick the mask of ``target``: all of it (replicated score and state) or this rank's rows.
@@ -513,14 +515,15 @@ class _ShardPlan:
         shape = layout.mask_shape(density)
         spans = [shape.rows_spans(s.start, s.stop) for s in (layout.shard(r, world) for r in range(world))]
         self.most = max(sum(hi - lo for lo, hi in own) for own in spans)
-        order = torch.empty(shape.entries, dtype=torch.long)
+        index = torch.int32 if world * self.most < 2 ** 31 else torch.long  # half the memory where it fits
+        order = torch.empty(shape.entries, dtype=index)
         for r, own in enumerate(spans):
             at = r * self.most
             for lo, hi in own:
                 order[lo:hi] = torch.arange(at, at + hi - lo)
                 at += hi - lo
         self.order = order.to(layout.device)  # gathered position of each of the mask's entries
-        self.positions = torch.cat([torch.arange(lo, hi) for lo, hi in spans[rank]]).to(layout.device)
+        self.positions = torch.cat([torch.arange(lo, hi, dtype=index) for lo, hi in spans[rank]]).to(layout.device)
 
 
 def _gather_spans(values: Tensor, spans: list[tuple[int, int]]) -> Tensor:

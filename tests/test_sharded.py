@@ -188,3 +188,50 @@ def test_checkpoint_reshards_at_another_world_size(old, new, tmp_path):
         if rank:
             assert all(torch.equal(a, b) for a, b in zip(params, first)), f"rank {rank}: replicas differ"
         first = params
+
+
+# ----------------------------------------------------------------------------------------
+def _memory_and_bytes(rank, world):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    from memory_bench import held_storages
+
+    out = {}
+    for sharded in (False, True):
+        model, ddp, state, opt = setup(sharded, sparsity=0.99, warmup_steps=2, ramp_steps=0, chunk_size=64)
+        train(ddp, opt, rank, 4)
+        before = dict(state.counters)
+        train(ddp, opt, rank, 2, start=4)
+        per_step = {k: (state.counters[k] - before[k]) / 2 for k in before}
+        state.wait()
+        exclude = {t.untyped_storage().data_ptr() for p in model.parameters() for t in (p, p.grad) if t is not None}
+        exclude |= {v.untyped_storage().data_ptr() for v in state.bucket_views.values()}  # DDP's buckets
+        held = held_storages([opt, state], exclude)
+        workspace = state._scratch.untyped_storage().nbytes() if state._scratch is not None else 0
+        out[sharded] = dict(state=sum(held.values()) - workspace, per_step=per_step, rows=state.layout.rows,
+                            own=opt.momentum_buffer.shape[0], windows=state.window_buffer.shape[0],
+                            residual=state.residual_buffer.shape[0], entries=state.masks[6].flat(state.layout).numel(),
+                            block=state.layout.block(world), k=state.layout.mask_shape(0.01).k)
+    return out
+
+
+def test_state_per_rank_and_bytes_per_sparse_step():
+    world = 4
+    for rank, out in enumerate(run_distributed(_memory_and_bytes, world_size=world)):
+        replicated, sharded = out[False], out[True]
+        coordinates = sharded["rows"] * 64  # padded: each parameter starts a row of 64
+        # m, sq, windows: this rank's block of rows; the residual: every row (its own unsent gradient)
+        assert sharded["own"] == sharded["windows"] == min(sharded["block"], sharded["rows"] - rank * sharded["block"])
+        assert sharded["residual"] == replicated["own"] == replicated["windows"] == sharded["rows"]
+        named = (4 * sharded["rows"] + 12 * sharded["own"]) * 64  # residual; m, sq, windows: 4 + 12 / W per coordinate
+        assert named <= (4 + 12 / world) * coordinates + 12 * 64  # the blocks: ceil(rows / W) rows, at most one more
+        assert named <= sharded["state"] <= named + 64 * sharded["rows"]  # + masks and a few index tensors per row
+        assert replicated["state"] >= 16 * coordinates
+        # a sparse step: the same all-reduce, then every owner's u and its block's mask columns, all-gathered
+        r, s = replicated["per_step"], sharded["per_step"]
+        assert r["shard_bytes"] == r["mask_bytes"] == 0
+        assert s["bytes_sent"] - s["shard_bytes"] - s["mask_bytes"] == r["bytes_sent"] == 4 * r["values_sent"]
+        assert world * s["shard_bytes"] >= 4 * sharded["entries"] > (world - 1) * s["shard_bytes"]  # padded to the most
+        assert s["mask_bytes"] == sharded["block"] * sharded["k"] * 2  # int16 columns of a block of rows
