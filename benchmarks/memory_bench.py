@@ -88,7 +88,7 @@ def measure(name: str, base: nn.Module, data: Any) -> dict[str, Any]:
     ddp, opt, state = build(name, base)
     counted = []
     for step in range(STEPS):
-        if step == STEPS - 2 and state is not None:
+        if step in (1, STEPS - 2) and state is not None:  # after the dense step; before the last 2 sparse ones
             counted.append(dict(state.counters))
         x, y = next(data)
         ddp(x, y).backward()
@@ -109,7 +109,8 @@ def measure(name: str, base: nn.Module, data: Any) -> dict[str, Any]:
             row[key] = held.pop(t.untyped_storage().data_ptr(), 0) / n if t is not None else 0.0
         row["other"] = sum(held.values()) / n
         row["state"] = row["total"] - row["score workspace"]
-        after, before = state.counters, counted[0]
+        row["bytes_dense_step"] = {k: counted[0][k] for k in ("bytes_sent", "shard_bytes", "dense_bytes")}
+        after, before = state.counters, counted[1]
         sparse_steps = STEPS - 2
         per_step = {k: (after[k] - before[k]) / sparse_steps for k in ("bytes_sent", "mask_bytes", "shard_bytes",
                                                                       "dense_bytes")}
@@ -173,6 +174,18 @@ def bytes_table(results: dict[str, Any]) -> str:
             wire = b["wire"] / base["wire"] if base else float("nan")
             lines.append(f"| {name} | {w} | {b['all_reduce']:,.0f} | {b['shard_bytes']:,.0f} | {b['mask_bytes']:,.0f} | "
                          f"{b['bytes_sent']:,.0f} | {handed:.3f} | {b['wire']:,.0f} | {wire:.3f} |")
+    lines += ["", "| method | W | dense step: all-reduce | all-gather parameters | x DDP handed | x DDP ring wire |",
+              "|---|---|---|---|---|---|"]
+    for w in sorted(results, key=int):
+        for name in ("SCAPE 99%", "SCAPE 99% sharded"):
+            row = results[w]["ranks"][0].get(name)
+            if row is None:
+                continue
+            d, n = row["bytes_dense_step"], int(w)
+            ring = (2 * (n - 1) / n * (d["bytes_sent"] - d["shard_bytes"]) + (n - 1) * d["shard_bytes"]) / (
+                2 * (n - 1) / n * d["dense_bytes"])
+            lines.append(f"| {name} | {w} | {d['bytes_sent'] - d['shard_bytes']:,.0f} | {d['shard_bytes']:,.0f} | "
+                         f"{d['bytes_sent'] / d['dense_bytes']:.3f} | {ring:.3f} |")
     return "\n".join(lines)
 
 

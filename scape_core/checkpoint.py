@@ -225,14 +225,15 @@ def load_checkpoint(path: str | os.PathLike, state: "ScapeState", **objects: Any
     return payload
 
 
-def every_rank_arrives(what: str, group: dist.ProcessGroup | None, timeout: float) -> None:
+def every_rank_arrives(what: str, group: dist.ProcessGroup | None, timeout: float, hint: str | None = None) -> None:
     """Raise ``RuntimeError`` unless every rank of ``group`` also calls ``what`` within ``timeout`` seconds.
 
     Each call is matched by its number on this rank (the n-th ``what`` of every rank) through the
     process group's key-value store, not through a collective: a rank that never comes leaves no
     half-matched collective behind. This rank raises; the others fail at their next collective
     once it exits. A rank that arrives after another gave up raises too. Each rank keeps one key
-    in the store (its latest call's), so frequent checkpoints do not fill it.
+    in the store (its latest call's), so frequent checkpoints do not fill it. ``hint``: what the
+    error tells the user to do instead (default: call it on every rank).
 
     Example:
         >>> every_rank_arrives("save_checkpoint", None, timeout=30.0)  # doctest: +SKIP
@@ -253,10 +254,10 @@ def every_rank_arrives(what: str, group: dist.ProcessGroup | None, timeout: floa
     except dist.DistStoreError:
         missing = [r for r in range(world) if not store.check([f"{prefix}/{r}"])]
         store.set(f"{prefix}/abandoned", str(rank))
-        raise RuntimeError(
-            f"{what} is collective: every rank must call it. Rank(s) {missing} of {world} did not call it within "
-            f"{timeout:g} s of rank {rank}: call {what} on every rank (not under `if rank == 0:`; rank 0 alone "
-            f"writes the file). If a rank is legitimately that late, pass arrival_timeout=<seconds>.") from None
+        hint = hint or (f"call {what} on every rank (not under `if rank == 0:`; rank 0 alone writes the file). "
+                        "If a rank is legitimately that late, pass arrival_timeout=<seconds>")
+        raise RuntimeError(f"{what} is collective: every rank must call it. Rank(s) {missing} of {world} did not call "
+                           f"it within {timeout:g} s of rank {rank}: {hint}.") from None
     if store.check([f"{prefix}/abandoned"]):
         raise RuntimeError(f"{what} is collective: rank {store.get(f'{prefix}/abandoned').decode()} stopped waiting "
                            f"for this rank after {timeout:g} s; call {what} on every rank at the same point")

@@ -39,6 +39,13 @@ class ScapeAdamS(AdamS):
     device from the host. Parameter groups may differ in ``lr`` and ``weight_decay``; ``betas``
     and ``eps`` must be the same in every group (the masked update is one kernel over all of them).
 
+    With ``ScapeState(..., shard_optimizer=True)`` the buffers hold only the state's shard (this
+    rank's block of rows) and ``optimizer.state[p]`` this rank's part of each parameter, flat
+    (possibly empty). A sparse step runs the rule on the entries this rank owns and all-gathers
+    every owner's ``u``; a dense step updates the shard and all-gathers the parameters.
+    :meth:`state_dict` gathers every shard (collective), so what it returns, and what
+    :meth:`load_state_dict` takes, is the same whole state in both modes.
+
     Example:
         >>> from scape_core import scape_hook
         >>> state = ScapeState(ddp, sparsity=0.99)
@@ -146,7 +153,9 @@ class ScapeAdamS(AdamS):
         from scape_core.checkpoint import ARRIVAL_TIMEOUT, every_rank_arrives
 
         scape = self.scape
-        every_rank_arrives("ScapeAdamS.state_dict", scape.process_group, ARRIVAL_TIMEOUT)
+        every_rank_arrives("ScapeAdamS.state_dict", scape.process_group, ARRIVAL_TIMEOUT,
+                           hint="a sharded optimizer gathers its state from every rank: call state_dict() on every "
+                                "rank, or consolidate_state_dict(to=0) on every rank and then state_dict() on rank 0")
         whole = {key: scape.unshard(buffer) for key, buffer in {MOMENTUM: self.momentum_buffer,
                                                                  **self.statistics}.items()}
         packed = super().state_dict()  # this rank's views, keyed by index: replaced by whole tensors

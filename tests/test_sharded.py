@@ -235,3 +235,20 @@ def test_state_per_rank_and_bytes_per_sparse_step():
         assert s["bytes_sent"] - s["shard_bytes"] - s["mask_bytes"] == r["bytes_sent"] == 4 * r["values_sent"]
         assert world * s["shard_bytes"] >= 4 * sharded["entries"] > (world - 1) * s["shard_bytes"]  # padded to the most
         assert s["mask_bytes"] == sharded["block"] * sharded["k"] * 2  # int16 columns of a block of rows
+
+
+# ----------------------------------------------------------------------------------------
+def _state_dict_on_rank_0_only(rank, world):
+    import scape_core.checkpoint
+    from tests.dist import failure
+
+    scape_core.checkpoint.ARRIVAL_TIMEOUT = 2.0  # seconds a rank waits for the others (30 by default)
+    model, ddp, state, opt = setup(True, warmup_steps=1)
+    train(ddp, opt, rank, 3)
+    return failure(opt.state_dict) if rank == 0 else None  # the classic `if rank == 0: torch.save(...)`
+
+
+def test_state_dict_of_a_sharded_optimizer_on_one_rank_says_what_to_do():
+    alone, _ = run_distributed(_state_dict_on_rank_0_only)
+    assert alone.startswith("RuntimeError: ScapeAdamS.state_dict is collective: every rank must call it. Rank(s) [1]")
+    assert "consolidate_state_dict(to=0) on every rank and then state_dict() on rank 0" in alone
