@@ -109,7 +109,7 @@ def measure(name: str, base: nn.Module, data: Any) -> dict[str, Any]:
             row[key] = held.pop(t.untyped_storage().data_ptr(), 0) / n if t is not None else 0.0
         row["other"] = sum(held.values()) / n
         row["state"] = row["total"] - row["score workspace"]
-        row["bytes_dense_step"] = {k: counted[0][k] for k in ("bytes_sent", "shard_bytes", "dense_bytes")}
+        row["bytes_dense_step"] = {k: counted[0][k] for k in ("bytes_sent", "shard_bytes", "mask_bytes", "dense_bytes")}
         after, before = state.counters, counted[1]
         sparse_steps = STEPS - 2
         per_step = {k: (after[k] - before[k]) / sparse_steps for k in ("bytes_sent", "mask_bytes", "shard_bytes",
@@ -182,10 +182,10 @@ def bytes_table(results: dict[str, Any]) -> str:
             if row is None:
                 continue
             d, n = row["bytes_dense_step"], int(w)
-            ring = (2 * (n - 1) / n * (d["bytes_sent"] - d["shard_bytes"]) + (n - 1) * d["shard_bytes"]) / (
-                2 * (n - 1) / n * d["dense_bytes"])
-            lines.append(f"| {name} | {w} | {d['bytes_sent'] - d['shard_bytes']:,.0f} | {d['shard_bytes']:,.0f} | "
-                         f"{d['bytes_sent'] / d['dense_bytes']:.3f} | {ring:.3f} |")
+            reduced = d["bytes_sent"] - d["shard_bytes"] - d["mask_bytes"]  # the first mask's all-gather aside
+            ring = (2 * (n - 1) / n * reduced + (n - 1) * d["shard_bytes"]) / (2 * (n - 1) / n * d["dense_bytes"])
+            lines.append(f"| {name} | {w} | {reduced:,.0f} | {d['shard_bytes']:,.0f} | "
+                         f"{(reduced + d['shard_bytes']) / d['dense_bytes']:.3f} | {ring:.3f} |")
     return "\n".join(lines)
 
 
