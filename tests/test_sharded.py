@@ -28,8 +28,9 @@ def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
 
 
-def setup(sharded: bool, seed: int = 0, ddp_kwargs: dict | None = None, **config):
-    model = make_model(seed)
+def setup(sharded: bool, seed: int = 0, ddp_kwargs: dict | None = None, dtype: torch.dtype = torch.float32,
+          **config):
+    model = make_model(seed).to(dtype)
     ddp = DDP(model, **(ddp_kwargs or {}))
     state = ScapeState(ddp, shard_optimizer=sharded, **config)
     ddp.register_comm_hook(state, scape_hook)
@@ -40,8 +41,8 @@ def setup(sharded: bool, seed: int = 0, ddp_kwargs: dict | None = None, **config
 def train(ddp, opt, rank, steps, start=0, record=None):
     state = opt.scape
     for t in range(start, start + steps):
-        x, y = batch(t, rank)
-        (ddp(x) - y).pow(2).mean().backward()
+        x, y = (b.to(next(ddp.module.parameters()).dtype) for b in batch(t, rank))
+        (ddp(x) - y).float().pow(2).mean().backward()
         if record is not None:
             mask = None if state.is_dense(t) else state.masks[t].cols.clone()
             record.append(mask)
@@ -85,8 +86,12 @@ STEPS = 120  # the defaults: 50 dense steps, the ramp's 25% stage for 50 (90%: t
 
 
 def test_sharded_is_bit_identical_to_replicated_at_2_ranks_with_the_defaults():
-    results = run_distributed(_both_modes, STEPS, {"defaults": ({}, {"bucket_cap_mb": 0.01})}, world_size=2)
+    cases = {"defaults": ({}, {"bucket_cap_mb": 0.01}),
+             # bf16 parameters: the dense steps' parameter all-gather travels in fp32, exactly
+             "bf16, chunk 64": (dict(warmup_steps=5, ramp_steps=15, chunk_size=64, dtype=torch.bfloat16), {})}
+    results = run_distributed(_both_modes, STEPS, cases, world_size=2)
     assert _check_identical(results, "defaults", STEPS) == 70
+    assert _check_identical(results, "bf16, chunk 64", STEPS) == STEPS - 5
 
 
 def test_sharded_is_bit_identical_to_replicated_at_4_ranks():
