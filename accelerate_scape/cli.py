@@ -31,6 +31,8 @@ QUESTIONS = {
     "update": "Masked update rule, one of {rules}",
     "ramp_steps": "Steps after the warm-up with denser masks (25%, 6.25%, 1.6% density), 0 for none",
     "chunk_size": "Coordinates per mask row: each row sends the same share, picked by one top-k (16 to 32768)",
+    "shard_optimizer": "Shard the optimizer state (ZeRO-1: each rank keeps m, sq and windows of 1/W of the "
+                       "coordinates; more bytes per step)? (yes/no)",
 }
 
 

@@ -9,6 +9,8 @@ their ratios share the machine's noise:
     PowerSGD r4 + AdamW torch's powerSGD_hook, rank 4, error feedback, warm start, one DDP
                         bucket (its chained collectives race across buckets on gloo)
     SCAPE 90% / 99%     scape_hook + ScapeAdamS
+    SCAPE 99% sharded   the same with shard_optimizer=True (each rank keeps 1/W of the optimizer
+                        state; owners' updates and masks are all-gathered)
 
 Per step: median wall time (slowest rank) and, because the machine may be shared, the
 median of per-round ratios against the bound and against dense DDP (the i-th timed step of
@@ -52,7 +54,8 @@ from bench_common import (GPT, batches, core_version, count_params, end_rank, la
                           shakespeare)
 
 ROOT = Path(__file__).resolve().parent.parent
-METHODS = ("no-comm + AdamS", "DDP + AdamW", "DDP + AdamS", "PowerSGD r4 + AdamW", "SCAPE 90%", "SCAPE 99%")
+METHODS = ("no-comm + AdamS", "DDP + AdamW", "DDP + AdamS", "PowerSGD r4 + AdamW", "SCAPE 90%", "SCAPE 99%",
+           "SCAPE 99% sharded")
 DENSE = "DDP + AdamW"
 BOUND = "no-comm + AdamS"
 
@@ -135,7 +138,8 @@ def build(name: str, base: nn.Module, warmup_steps: int) -> Method:
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
         return Method(name, ddp, torch.optim.AdamW(ddp.parameters(), **hp))
     sparsity = float(name.split()[1].rstrip("%")) / 100
-    state = ScapeState(ddp, sparsity=sparsity, **scape_fields(warmup_steps))
+    sharded = {"shard_optimizer": True} if name.endswith("sharded") else {}
+    state = ScapeState(ddp, sparsity=sparsity, **scape_fields(warmup_steps), **sharded)
     ddp.register_comm_hook(state, scape_hook)
     return Method(name, ddp, ScapeAdamS(ddp.parameters(), state, **hp), scape=state)
 
@@ -170,7 +174,8 @@ def window(m: Method, batch: int, steps: int, ifaces: dict[str, str], barrier_by
     w.update(steps=steps, **{k: tx1[k] - tx0[k] - barrier_bytes[k] for k in ifaces})
     if before is not None:
         after = m.scape.stats()
-        w.update({f"scape_{k}": after[k] - before[k] for k in ("values_sent", "bytes_sent", "mask_bytes")})
+        w.update({f"scape_{k}": after[k] - before[k] for k in ("values_sent", "bytes_sent", "mask_bytes")
+                  if k in after})
     m.windows[batch].append(w)
 
 
@@ -393,6 +398,11 @@ def targets(summary: dict[str, Any], slow: str | None, default_batch: int) -> li
         if DENSE in rows:
             d = ratio(rows, DENSE, s)
             checks.append(f"DDP+AdamW / SCAPE 99% = {d:.2f} (>= 3: {'MET' if d >= 3 else 'NOT MET'})")
+        if f"{s} sharded" in rows:
+            r = ratio(rows, f"{s} sharded", s)
+            b = rows[f"{s} sharded"]["bytes"] / max(rows[s]["bytes"], 1)
+            checks.append(f"sharded / SCAPE 99% = {r:.2f} (<= 1.10: {'MET' if r <= 1.10 else 'NOT MET'}), "
+                          f"bytes handed {b:.2f}x")
         lines.append(f"- {key}{tag}: " + "; ".join(checks))
     return lines
 

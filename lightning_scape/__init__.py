@@ -5,6 +5,7 @@
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy="scape")
     trainer = L.Trainer(strategy=lightning_scape.ScapeStrategy(sparsity=0.9, warmup_steps=50))
     fabric = L.Fabric(strategy="scape")
+    trainer = L.Trainer(strategy="scape_sharded")  # each rank keeps 1/W of the optimizer state
 
 Lightning has no entry-point discovery for third-party strategies: the import is what registers
 the names. It registers them with ``lightning`` (required) and, when installed, with the

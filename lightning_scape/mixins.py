@@ -22,7 +22,10 @@ from scape_core import ScapeAdamS, ScapeConfig, ScapeState, gather_state_dict, s
 
 CHECKPOINT_KEY = "scape"  # checkpoint entry holding every rank's SCAPE state (gather_state_dict)
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
-NAMES = {"scape": "popen", "scape_spawn": "spawn"}  # registered name -> start_method, as "ddp" / "ddp_spawn"
+# registered name -> constructor arguments: start methods as "ddp" / "ddp_spawn"; "scape_sharded" shards
+# the optimizer state (ScapeConfig.shard_optimizer)
+NAMES = {"scape": {"start_method": "popen"}, "scape_spawn": {"start_method": "spawn"},
+         "scape_sharded": {"start_method": "popen", "shard_optimizer": True}}
 LOGGED = ("bytes_sent", "dense_bytes", "compression", "skipped_steps")
 _CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(ScapeConfig))
 _FOREIGN_HOOK_ARGS = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
@@ -73,9 +76,9 @@ class ScapeStrategyMixin:
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
-        for name, start_method in NAMES.items():
-            strategy_registry.register(name, cls, description=f"SCAPE sparse DDP, start_method={start_method!r}",
-                                       override=True, start_method=start_method)
+        for name, init in NAMES.items():
+            what = ", ".join(f"{k}={v!r}" for k, v in init.items())
+            strategy_registry.register(name, cls, description=f"SCAPE sparse DDP, {what}", override=True, **init)
 
     def _attach_scape(self, ddp: DistributedDataParallel) -> ScapeState:
         """Register the SCAPE hook on ``ddp`` whatever the device (Lightning only does so on CUDA)."""

@@ -12,7 +12,8 @@ from lightning_scape.mixins import FabricStrategyMixin, TrainerStrategyMixin
 class ScapeStrategy(TrainerStrategyMixin, DDPStrategy):
     """DDP with SCAPE sparse gradient communication for ``lightning.Trainer``.
 
-    ``import lightning_scape`` registers it as ``strategy="scape"`` (and ``"scape_spawn"``):
+    ``import lightning_scape`` registers it as ``strategy="scape"`` (and ``"scape_spawn"``, and
+    ``"scape_sharded"``: ``shard_optimizer=True``, each rank keeps 1/W of the optimizer state):
     Lightning has no entry-point discovery for third-party strategies, so the import is what
     makes the name known. Construct it yourself to choose SCAPE's settings.
 
@@ -22,7 +23,8 @@ class ScapeStrategy(TrainerStrategyMixin, DDPStrategy):
     hyperparameters) in place to :class:`scape_core.ScapeAdamS` (LR schedulers and references the
     module keeps follow), warns when ``max_steps`` ends before the warm-up and ramp, writes every rank's
     SCAPE state into checkpoints under ``"scape"`` and resumes it with ``fit(ckpt_path=...)``
-    (bit-for-bit at the same world size), and logs ``scape/bytes_sent``, ``scape/dense_bytes``,
+    (bit-for-bit at the same world size; a sharded optimizer is consolidated on rank 0 first, as
+    ``ZeroRedundancyOptimizer``, so the checkpoint holds its whole state), and logs ``scape/bytes_sent``, ``scape/dense_bytes``,
     ``scape/compression`` and ``scape/skipped_steps`` (cumulative, this rank) to the loggers and
     the progress bar. ``accumulate_grad_batches`` and ``gradient_clip_val`` work as usual;
     precision ``32-true``, ``bf16-mixed`` and ``bf16-true`` are supported, ``16-mixed`` is refused
@@ -31,7 +33,8 @@ class ScapeStrategy(TrainerStrategyMixin, DDPStrategy):
     Args:
         config: a :class:`scape_core.ScapeConfig`; keyword fields below override it.
         **kwargs: any ``ScapeConfig`` field (``sparsity``, ``warmup_steps``, ``mask_delay``,
-            ``mask_refresh``, ``error_feedback``, ``score``, ``update``, ``ramp_steps``), any ``DDPStrategy``
+            ``mask_refresh``, ``error_feedback``, ``score``, ``update``, ``ramp_steps``, ``chunk_size``,
+            ``shard_optimizer``), any ``DDPStrategy``
             argument (``start_method``, ``timeout``, ...) and any ``DistributedDataParallel``
             argument (``find_unused_parameters``, ``static_graph``, ...). ``ddp_comm_hook`` and
             model averaging are refused: SCAPE is the communication hook.
@@ -50,7 +53,8 @@ class ScapeStrategy(TrainerStrategyMixin, DDPStrategy):
 class ScapeFabricStrategy(FabricStrategyMixin, FabricDDPStrategy):
     """DDP with SCAPE sparse gradient communication for ``lightning.Fabric``.
 
-    ``import lightning_scape`` registers it as ``Fabric(strategy="scape")`` (and ``"scape_spawn"``);
+    ``import lightning_scape`` registers it as ``Fabric(strategy="scape")`` (and ``"scape_spawn"``,
+    ``"scape_sharded"``);
     the import is needed because Lightning has no entry-point discovery for strategies.
     ``fabric.setup(model, optimizer, scheduler=...)`` wraps the model in DDP with the SCAPE hook and
     returns ``optimizer`` (AdamW, Adam or AdamS) converted in place to :class:`scape_core.ScapeAdamS`
@@ -71,6 +75,6 @@ class ScapeFabricStrategy(FabricStrategyMixin, FabricDDPStrategy):
 
 
 def register() -> None:
-    """Register ``"scape"`` / ``"scape_spawn"`` with the Trainer's and Fabric's strategy registries."""
+    """Register ``"scape"`` / ``"scape_spawn"`` / ``"scape_sharded"`` with the Trainer's and Fabric's registries."""
     ScapeStrategy.register_strategies(StrategyRegistry)
     ScapeFabricStrategy.register_strategies(FABRIC_REGISTRY)

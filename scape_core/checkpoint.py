@@ -40,11 +40,16 @@ _calls: dict[tuple[str, str], int] = {}  # (what, process group) -> collective c
 
 
 def state_dict(state: "ScapeState") -> dict[str, Any]:
-    """This rank's state: step, scheduled masks, residual and windows by name, counters (CPU tensors)."""
+    """This rank's state: step, scheduled masks, residual and windows by name, counters (CPU tensors).
+
+    Sharded, the windows are this rank's part of each parameter's (``"windows_rows"`` says
+    which rows); :func:`gather_state_dict` holds every parameter's whole windows.
+    """
     state._finish_pending()
     named = lambda buffer: {n: state.layout.view(buffer, n).detach().cpu().clone() for n in state.params}  # noqa: E731
     counters = dict(state.counters, skipped_steps=int(state._skipped))
-    return {
+    windows = state.window_buffer
+    out = {
         "format": STATE_FORMAT,
         "step": state.step,
         "world_size": state.world_size,
@@ -53,10 +58,13 @@ def state_dict(state: "ScapeState") -> dict[str, Any]:
         "shapes": {n: tuple(p.shape) for n, p in state.params.items()},
         "masks": {s: {"density": m.density, "cols": m.cols.cpu()} for s, m in state.masks.items()},
         "residual": named(state.residual_buffer) if state.residual_buffer is not None else {},
-        "windows": named(state.window_buffer) if state.window_buffer is not None else {},
+        "windows": {} if windows is None else {n: state.shard.view(windows, n).cpu().clone() for n in state.params},
         "sparse_started": state.sparse_started,
         "counters": counters,
     }
+    if state.sharded:
+        out["windows_rows"] = [state.shard.start, state.shard.stop]
+    return out
 
 
 def gather_state_dict(state: "ScapeState") -> dict[str, Any]:
@@ -73,6 +81,9 @@ def gather_state_dict(state: "ScapeState") -> dict[str, Any]:
         True
     """
     own = state_dict(state)
+    if own.pop("windows_rows", None) is not None and state.window_buffer is not None:  # every rank's part
+        whole = state.unshard(state.window_buffer)
+        own["windows"] = {n: state.layout.view(whole, n).cpu().clone() for n in state.params}
     if state.residual_buffer is not None:
         out = [torch.empty_like(state.residual_buffer) for _ in range(state.world_size)]
         dist.all_gather(out, state.residual_buffer.contiguous(), group=state.process_group)
@@ -111,6 +122,10 @@ def check_loadable(state: "ScapeState", saved: Any) -> dict[str, Tensor]:
         raise ValueError(
             f"this SCAPE state is rank {saved['rank']} of world size {saved['world_size']}; "
             f"to resume on rank {state.rank} of {state.world_size}, save with gather_state_dict()")
+    rows = saved.get("windows_rows")
+    if rows is not None and list(rows) != [state.shard.start, state.shard.stop]:
+        raise ValueError(f"this SCAPE state holds the windows of rows {list(rows)} (saved with shard_optimizer=True); "
+                         f"this run keeps rows [{state.shard.start}, {state.shard.stop}): save with gather_state_dict()")
     return saved["residual"]
 
 
@@ -133,11 +148,15 @@ def _restore(state: "ScapeState", saved: dict[str, Any], residual: dict[str, Ten
     state._sparse = False
     if saved.get("sparse_started"):
         state.start_sparse()
-    for buffer, values in ((state.residual_buffer, residual), (state.window_buffer, saved.get("windows", {}))):
-        if buffer is not None:
-            buffer.zero_()
-            for name, v in values.items():
-                layout.view(buffer, name).copy_(v.reshape(-1))
+    if state.residual_buffer is not None:
+        state.residual_buffer.zero_()
+        for name, v in residual.items():
+            layout.view(state.residual_buffer, name).copy_(v.reshape(-1))
+    if state.window_buffer is not None:  # whole windows (this rank takes its part), or this rank's part
+        state.window_buffer.zero_()
+        part = state.shard.part if "windows_rows" not in saved else lambda v, name: v.reshape(-1)
+        for name, v in saved.get("windows", {}).items():
+            state.shard.view(state.window_buffer, name).copy_(part(v, name))
     for plan in state.buckets.values():  # residual views point at the old buffer
         plan.residuals = []
     counters = dict(saved["counters"])
@@ -150,7 +169,8 @@ def save_checkpoint(path: str | os.PathLike, state: "ScapeState", *, arrival_tim
     """Write one checkpoint from rank 0 (collective: call on every rank).
 
     ``objects`` are anything with ``state_dict()`` (model, optimizer, scheduler) or plain
-    values. The file is written to a temporary name and renamed, so a crash mid-write never
+    values; a sharded optimizer (``shard_optimizer=True``) is consolidated on rank 0 first, so
+    the file holds every parameter's whole state and loads at any world size, sharded or not. The file is written to a temporary name and renamed, so a crash mid-write never
     leaves a truncated checkpoint under ``path``. Every rank's residual goes into the file, so
     every rank must call it: a rank that does not see all the others arrive within
     ``arrival_timeout`` seconds raises ``RuntimeError`` (the usual cause: saving under
@@ -167,6 +187,9 @@ def save_checkpoint(path: str | os.PathLike, state: "ScapeState", *, arrival_tim
     """
     every_rank_arrives("save_checkpoint", state.process_group, arrival_timeout)
     full = gather_state_dict(state)
+    for obj in objects.values():  # a sharded optimizer (ScapeAdamS, torch's ZeroRedundancyOptimizer) gathers first
+        if hasattr(obj, "consolidate_state_dict"):
+            obj.consolidate_state_dict(to=0)
     if dist.get_rank(state.process_group) == 0:
         payload = {k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in objects.items()}
         payload["scape"] = full
@@ -202,14 +225,15 @@ def load_checkpoint(path: str | os.PathLike, state: "ScapeState", **objects: Any
     return payload
 
 
-def every_rank_arrives(what: str, group: dist.ProcessGroup | None, timeout: float) -> None:
+def every_rank_arrives(what: str, group: dist.ProcessGroup | None, timeout: float, hint: str | None = None) -> None:
     """Raise ``RuntimeError`` unless every rank of ``group`` also calls ``what`` within ``timeout`` seconds.
 
     Each call is matched by its number on this rank (the n-th ``what`` of every rank) through the
     process group's key-value store, not through a collective: a rank that never comes leaves no
     half-matched collective behind. This rank raises; the others fail at their next collective
     once it exits. A rank that arrives after another gave up raises too. Each rank keeps one key
-    in the store (its latest call's), so frequent checkpoints do not fill it.
+    in the store (its latest call's), so frequent checkpoints do not fill it. ``hint``: what the
+    error tells the user to do instead (default: call it on every rank).
 
     Example:
         >>> every_rank_arrives("save_checkpoint", None, timeout=30.0)  # doctest: +SKIP
@@ -230,10 +254,10 @@ def every_rank_arrives(what: str, group: dist.ProcessGroup | None, timeout: floa
     except dist.DistStoreError:
         missing = [r for r in range(world) if not store.check([f"{prefix}/{r}"])]
         store.set(f"{prefix}/abandoned", str(rank))
-        raise RuntimeError(
-            f"{what} is collective: every rank must call it. Rank(s) {missing} of {world} did not call it within "
-            f"{timeout:g} s of rank {rank}: call {what} on every rank (not under `if rank == 0:`; rank 0 alone "
-            f"writes the file). If a rank is legitimately that late, pass arrival_timeout=<seconds>.") from None
+        hint = hint or (f"call {what} on every rank (not under `if rank == 0:`; rank 0 alone writes the file). "
+                        "If a rank is legitimately that late, pass arrival_timeout=<seconds>")
+        raise RuntimeError(f"{what} is collective: every rank must call it. Rank(s) {missing} of {world} did not call "
+                           f"it within {timeout:g} s of rank {rank}: {hint}.") from None
     if store.check([f"{prefix}/abandoned"]):
         raise RuntimeError(f"{what} is collective: rank {store.get(f'{prefix}/abandoned').decode()} stopped waiting "
                            f"for this rank after {timeout:g} s; call {what} on every rank at the same point")

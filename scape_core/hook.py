@@ -46,6 +46,8 @@ def plan(state: ScapeState, bucket: dist.GradBucket) -> BucketPlan:
         # flat index of a coordinate + shift of its row = its position in this bucket's buffer
         state.row_shift.index_copy_(0, torch.cat(rows).to(state.row_shift.device),
                                     torch.cat(shifts).to(state.row_shift.device))
+        for stale in [k for k, old in state.buckets.items() if not set(old.names).isdisjoint(names)]:
+            del state.buckets[stale]  # DDP rebuilt its buckets: the old plan would keep the old buffer alive
         found = state.buckets[key] = BucketPlan(tuple(names), grads)
     if state.residual_buffer is not None and not found.residuals:
         found.residuals = state.layout.views(state.residual_buffer, list(found.names))

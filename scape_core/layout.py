@@ -14,6 +14,7 @@ share whatever its size, and a mask has the same shape at every step.
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import dataclass
 
@@ -69,6 +70,7 @@ class FlatLayout:
                 self.partial_len.append(rest)
             row += self.nrows[name]
         self.rows = row
+        self._full_list, self._partial_list = full, partial  # sorted row numbers (for shard arithmetic)
         self.full_rows = torch.tensor(full, dtype=torch.long, device=self.device)
         self.partial_rows = torch.tensor(partial, dtype=torch.long, device=self.device)
         self.row_base = torch.arange(self.rows, device=self.device) * chunk  # flat index of each row's start
@@ -114,6 +116,65 @@ class FlatLayout:
         if density not in self._shapes:
             self._shapes[density] = MaskShape(self, density)
         return self._shapes[density]
+
+    def block(self, world: int) -> int:
+        """Rows of each rank's block when ``world`` ranks share the rows: ``ceil(rows / world)``."""
+        return -(-self.rows // world)
+
+    def shard(self, rank: int, world: int) -> "Shard":
+        """Rank ``rank``'s block of rows: ``[rank * block, (rank + 1) * block)``, cut at ``rows``.
+
+        Equal blocks, so an all-gather of every rank's block (padded to ``block`` rows) is the
+        whole buffer in layout order, no reordering. The last ranks may hold fewer rows, or none.
+
+        Example:
+            >>> layout = FlatLayout({"w": torch.zeros(5, 8)}, chunk=8)
+            >>> [(s.start, s.stop) for s in (layout.shard(r, 2) for r in range(2))]
+            [(0, 3), (3, 5)]
+        """
+        block = self.block(world)
+        return Shard(self, min(rank * block, self.rows), min((rank + 1) * block, self.rows))
+
+
+class Shard:
+    """Rows ``[start, stop)`` of a :class:`FlatLayout`: the part of SCAPE's buffers one rank owns.
+
+    A shard's buffers are ``(stop - start, chunk)``; :meth:`view` gives the coordinates of a
+    parameter that fall inside it (a parameter may straddle two shards). The whole layout is
+    the shard ``[0, rows)``, whose views are :meth:`FlatLayout.view`'s.
+
+    Example:
+        >>> layout = FlatLayout({"w": torch.zeros(20), "b": torch.zeros(3)}, chunk=8)   # rows: 3 + 1
+        >>> shard = Shard(layout, 1, 4)
+        >>> shard.span["w"], shard.span["b"], shard.zeros().shape
+        ((8, 20), (0, 3), torch.Size([3, 8]))
+    """
+
+    def __init__(self, layout: FlatLayout, start: int, stop: int) -> None:
+        self.layout, self.start, self.stop = layout, start, stop
+        self.rows = stop - start
+        self.whole = start == 0 and stop == layout.rows
+        self.span: dict[str, tuple[int, int]] = {}  # each parameter's coordinates inside: [lo, hi) of its own
+        for name, numel in layout.numel.items():
+            first = layout.first_row[name] * layout.chunk
+            lo = min(max(start * layout.chunk - first, 0), numel)
+            self.span[name] = (lo, max(lo, min(stop * layout.chunk - first, numel)))
+        self.names = [n for n, (lo, hi) in self.span.items() if hi > lo]  # parameters with coordinates here
+
+    def zeros(self, dtype: torch.dtype = torch.float32) -> Tensor:
+        """A new ``(rows, chunk)`` buffer of zeros for this shard."""
+        return torch.zeros(self.rows, self.layout.chunk, dtype=dtype, device=self.layout.device)
+
+    def view(self, buffer: Tensor, name: str) -> Tensor:
+        """The flat view of ``name``'s coordinates inside this shard (``span[name]`` of them; may be empty)."""
+        lo, hi = self.span[name]
+        at = self.layout.first_row[name] * self.layout.chunk + lo - self.start * self.layout.chunk
+        return buffer.view(-1)[at:at + hi - lo] if hi > lo else buffer.view(-1)[:0]
+
+    def part(self, full: Tensor, name: str) -> Tensor:
+        """The coordinates of a whole parameter's tensor ``full`` that this shard holds (flat)."""
+        lo, hi = self.span[name]
+        return full.reshape(-1)[lo:hi]
 
 
 @dataclass
@@ -168,6 +229,21 @@ class MaskShape:
                     merged.append((lo, hi))
             self._ranges[names] = _Ranges(merged)
         return self._ranges[names].spans
+
+    def rows_spans(self, start: int, stop: int) -> list[tuple[int, int]]:
+        """The entry ranges of rows ``[start, stop)`` (e.g. a shard's): its full rows' entries, then its shorter rows'.
+
+        Example:
+            >>> layout = FlatLayout({"w": torch.zeros(20), "b": torch.zeros(3)}, chunk=8)   # rows: 8, 8, 4 | 3
+            >>> shape = layout.mask_shape(0.25)                      # k = 2; the short rows pick 1 each
+            >>> shape.rows_spans(1, 4), shape.entries
+            ([(2, 4), (4, 6)], 6)
+        """
+        full, partial = self._layout._full_list, self._layout._partial_list
+        f_lo, f_hi = bisect.bisect_left(full, start), bisect.bisect_left(full, stop)
+        p_lo, p_hi = bisect.bisect_left(partial, start), bisect.bisect_left(partial, stop)
+        return [(f_lo * self.k, f_hi * self.k),
+                (self.full_entries + self._offsets[p_lo], self.full_entries + self._offsets[p_hi])]
 
     def entries_of(self, names: tuple[str, ...]) -> int:
         """How many entries the parameters ``names`` have."""

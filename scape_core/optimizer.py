@@ -39,6 +39,13 @@ class ScapeAdamS(AdamS):
     device from the host. Parameter groups may differ in ``lr`` and ``weight_decay``; ``betas``
     and ``eps`` must be the same in every group (the masked update is one kernel over all of them).
 
+    With ``ScapeState(..., shard_optimizer=True)`` the buffers hold only the state's shard (this
+    rank's block of rows) and ``optimizer.state[p]`` this rank's part of each parameter, flat
+    (possibly empty). A sparse step runs the rule on the entries this rank owns and all-gathers
+    every owner's ``u``; a dense step updates the shard and all-gathers the parameters.
+    :meth:`state_dict` gathers every shard (collective), so what it returns, and what
+    :meth:`load_state_dict` takes, is the same whole state in both modes.
+
     Example:
         >>> from scape_core import scape_hook
         >>> state = ScapeState(ddp, sparsity=0.99)
@@ -64,9 +71,10 @@ class ScapeAdamS(AdamS):
         self.scape = state
         self.rule = UPDATE_RULES[state.config.update]
         self._names: dict[Tensor, str] = {}  # filled by add_param_group
-        self.momentum_buffer = state.layout.zeros()  # m of every coordinate, (rows, chunk) fp32
+        self.momentum_buffer = state.shard.zeros()  # m of the state's shard (every row unless sharded), fp32
         self.steps = torch.zeros(())  # optimizer steps taken, skipped ones included (on the CPU, as torch's Adam)
-        self.statistics = {key: state.layout.zeros() for key in self.rule.statistics}
+        self.statistics = {key: state.shard.zeros() for key in self.rule.statistics}
+        self._consolidated: dict[str, Any] | None = None  # the whole state, gathered by consolidate_state_dict
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=foreach)
         state.optimizer = self
 
@@ -82,21 +90,82 @@ class ScapeAdamS(AdamS):
                                  "this ScapeState (added after DDP was built, or not part of the DDP model?)")
 
     def _install_views(self, p: Tensor) -> None:
-        layout, name = self.scape.layout, self._names[p]
+        shard, name = self.scape.shard, self._names[p]
         self.state[p]["step"] = self.steps  # one counter shared by every parameter
-        self.state[p][MOMENTUM] = layout.view(self.momentum_buffer, name).view_as(p)
-        for key, buffer in self.statistics.items():
-            self.state[p][key] = layout.view(buffer, name).view_as(p)
+        for key, buffer in {MOMENTUM: self.momentum_buffer, **self.statistics}.items():
+            view = shard.view(buffer, name)
+            self.state[p][key] = view.view_as(p) if shard.whole else view  # sharded: this rank's part, flat
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """As torch's, with ``m`` and the rule's statistics copied into the flat fp32 buffers."""
+        """As torch's, with ``m`` and the rule's statistics copied into the flat fp32 buffers.
+
+        Takes the whole state (what :meth:`state_dict` returns, sharded or not, at any world
+        size); a sharded optimizer keeps its shard of it.
+        """
+        self._consolidated = None
         super().load_state_dict(state_dict)  # AdamS keeps the saved fp32 values
-        for p in self._names:
+        for p, name in self._names.items():
             saved = dict(self.state[p])
             self._install_views(p)
             for key, view in self.state[p].items():
-                if key in saved and saved[key] is not view:
-                    view.copy_(saved[key])  # the step counter is shared: every parameter saved the same
+                if key not in saved or saved[key] is view:
+                    continue
+                if key == "step":  # the step counter is shared: every parameter saved the same
+                    view.copy_(saved[key])
+                elif saved[key].numel() != p.numel():
+                    raise ValueError(f"optimizer state {key!r} of {name!r} has {saved[key].numel()} values for a "
+                                     f"parameter of {p.numel()}: save with state_dict() (it gathers every shard)")
+                else:
+                    view.view(-1).copy_(self.scape.shard.part(saved[key], name))
+
+    def state_dict(self) -> dict[str, Any]:
+        """As torch's: every parameter's whole ``m`` and statistics, keyed by index.
+
+        Sharded: a collective that gathers every rank's shard (call it on every rank; a rank
+        that waits alone for 30 s raises), or, on the rank a :meth:`consolidate_state_dict` just
+        gathered onto, what it gathered (once). The result loads into a sharded or replicated
+        ``ScapeAdamS`` at any world size.
+        """
+        if self._consolidated is not None:  # once: a later call gathers again, on every rank
+            full, self._consolidated = self._consolidated, None
+            return full
+        if not self.scape.sharded:
+            return super().state_dict()
+        return self._gathered_state_dict()
+
+    def consolidate_state_dict(self, to: int = 0) -> None:
+        """Gather the whole state for :meth:`state_dict` on rank ``to`` (collective), as
+        ``ZeroRedundancyOptimizer``'s; Lightning and Fabric call it before saving. Nothing to do
+        when not sharded. The next :meth:`state_dict` on rank ``to`` returns it (once); the next
+        :meth:`step` drops it.
+
+        Example:
+            >>> opt.consolidate_state_dict()                                      # doctest: +SKIP
+            >>> if dist.get_rank() == 0: torch.save(opt.state_dict(), "opt.pt")  # doctest: +SKIP
+        """
+        if not self.scape.sharded:
+            return
+        self._consolidated = None
+        full = self._gathered_state_dict()
+        self._consolidated = full if self.scape.rank == to else None
+
+    def _gathered_state_dict(self) -> dict[str, Any]:
+        from scape_core.checkpoint import ARRIVAL_TIMEOUT, every_rank_arrives
+
+        scape = self.scape
+        every_rank_arrives("ScapeAdamS.state_dict", scape.process_group, ARRIVAL_TIMEOUT,
+                           hint="a sharded optimizer gathers its state from every rank: call state_dict() on every "
+                                "rank, or consolidate_state_dict(to=0) on every rank and then state_dict() on rank 0")
+        whole = {key: scape.unshard(buffer) for key, buffer in {MOMENTUM: self.momentum_buffer,
+                                                                 **self.statistics}.items()}
+        packed = super().state_dict()  # this rank's views, keyed by index: replaced by whole tensors
+        params = [p for group in self.param_groups for p in group["params"]]
+        for index, entries in packed["state"].items():
+            p = params[index]
+            if p in self._names:
+                packed["state"][index] = {**entries, **{key: scape.layout.view(buffer, self._names[p]).view_as(p)
+                                                        for key, buffer in whole.items() if key in entries}}
+        return packed
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:
@@ -119,6 +188,7 @@ class ScapeAdamS(AdamS):
                 names.append(self._names[p])
             groups.append((group, params))
         mask, skip = self.scape.begin_step(names)
+        self._consolidated = None
         self.steps += 1
         beta1, beta2, eps = self._shared_hyperparameters(groups)
         if mask is None:
@@ -137,13 +207,23 @@ class ScapeAdamS(AdamS):
         return next(iter(found))
 
     def _dense(self, groups: list[tuple[dict[str, Any], list[Tensor]]], skip: Tensor) -> None:
+        """AdamS on the shard's coordinates (every one unless sharded); sharded, then the parameters
+        are all-gathered (ZeRO-1's dense step, after DDP's all-reduce)."""
         if bool(skip):  # a warm-up step may read the device: the sparse steps never do
             return
+        shard = self.scape.shard
         for group, params in groups:
             beta1, beta2 = group["betas"]
             run = adams_reference if group["foreach"] is False else adams_foreach
-            run(params, [p.grad for p in params], [self.state[p][MOMENTUM] for p in params], lr=group["lr"],
+            if not shard.whole:
+                params = [p for p in params if self.state[p][MOMENTUM].numel()]  # with coordinates here
+            names = [self._names[p] for p in params]
+            values = params if shard.whole else [shard.part(p.detach(), n) for p, n in zip(params, names)]
+            grads = [p.grad for p in params] if shard.whole else [shard.part(p.grad, n) for p, n in zip(params, names)]
+            run(values, grads, [self.state[p][MOMENTUM] for p in params], lr=group["lr"],
                 beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])
+        if self.scape.sharded:
+            self.scape.gather_parameters()
 
     def _sparse(self, groups: list[tuple[dict[str, Any], list[Tensor]]], mask: Mask, skip: Tensor,
                 all_have_grad: bool, **hp: float) -> None:
@@ -153,16 +233,9 @@ class ScapeAdamS(AdamS):
         with_grad = [p for _, params in groups for p in params]
         s = scape.gather_gradients(with_grad, entries.numel())  # the window sums, read back from p.grad
         applied = ~skip if all_have_grad else scape.entries_with_grad(with_grad, entries, ~skip)
-        n = scape.mark_exchanged(entries, applied)
-        m_flat = self.momentum_buffer.view(-1)
-        m = m_flat.index_select(0, entries)
-        stats = {k: b.view(-1).index_select(0, entries) for k, b in self.statistics.items()}
-        u, m_new, stats_new = self.rule.update(s, n if n is not None else torch.ones_like(s), m, stats, **hp)
-        m_flat.index_copy_(0, entries, torch.where(applied, m_new, m))
-        for key, value in stats_new.items():
-            self.statistics[key].view(-1).index_copy_(0, entries, torch.where(applied, value, stats[key]))
+        u = self._masked_update(mask, s, applied, hp)
         keep = (~skip).float()
-        scape.scatter_update(u.masked_fill_(~applied, 0.0))  # the bucket buffers now hold u on the mask
+        scape.scatter_update(u)  # the bucket buffers now hold u on the mask
         for group, params in groups:
             if not params:
                 continue
@@ -172,3 +245,21 @@ class ScapeAdamS(AdamS):
             torch._foreach_add_(params, deltas, alpha=-group["lr"])
         scape.restore_gradients(s)
         scape.return_unapplied(entries, applied)
+
+    def _masked_update(self, mask: Mask, s: Tensor, applied: Tensor, hp: dict[str, float]) -> Tensor:
+        """The rule on the entries whose state this rank keeps; returns ``u`` for every entry (0 where
+        not applied). Sharded: each owner updates its entries and the owners' ``u`` are all-gathered."""
+        positions, local = self.scape.own_entries(mask)
+        if positions is not None:
+            s = s.index_select(0, positions)
+            applied = applied.index_select(0, positions) if applied.dim() else applied
+        n = self.scape.mark_exchanged(local, applied)
+        m_flat = self.momentum_buffer.view(-1)
+        m = m_flat.index_select(0, local)
+        stats = {k: b.view(-1).index_select(0, local) for k, b in self.statistics.items()}
+        u, m_new, stats_new = self.rule.update(s, n if n is not None else torch.ones_like(s), m, stats, **hp)
+        m_flat.index_copy_(0, local, torch.where(applied, m_new, m))
+        for key, value in stats_new.items():
+            self.statistics[key].view(-1).index_copy_(0, local, torch.where(applied, value, stats[key]))
+        u = u.masked_fill_(~applied, 0.0)
+        return u if positions is None else self.scape.gather_updates(u, mask.density)

@@ -13,6 +13,10 @@ Everything is returned per parameter name as flat fp32/int64 CPU tensors:
 - ``selection_groups``: how the core cuts the coordinates into top-k groups (which rank scores
   each group). This is structure, not arithmetic: the tests check the score and the top-k
   inside each group independently.
+
+With ``shard_optimizer=True`` each rank keeps m, sq and the windows of its block of rows only:
+``snapshot`` gathers every rank's (a collective: call it on every rank), so the tests compare
+the same whole state in both modes.
 """
 
 from __future__ import annotations
@@ -40,16 +44,19 @@ def _flat(t: Tensor) -> Tensor:
 
 
 def snapshot(state: ScapeState, opt: ScapeAdamS) -> dict:
-    """Everything a SCAPE step reads and writes on this rank, by parameter name."""
+    """Everything a SCAPE step reads and writes on this rank, by parameter name (collective when sharded)."""
     out: dict = {"step": state.step, "param": {}, "m": {}, "sq": {}, "last_sync": {}, "residual": {}}
+    layout = state.layout
+    m = state.unshard(opt.momentum_buffer)
+    sq = state.unshard(opt.statistics["sq"]) if "sq" in opt.statistics else None
+    windows = None if state.window_buffer is None else state.unshard(state.window_buffer)
     for name, p in state.params.items():
         out["param"][name] = _flat(p)
-        out["m"][name] = _flat(opt.state[p]["exp_avg"])
-        if "sq" in opt.state[p]:
-            out["sq"][name] = _flat(opt.state[p]["sq"])
-        window = state.window(name)
-        if window is not None:
-            out["last_sync"][name] = window.to(torch.int64).cpu().clone()
+        out["m"][name] = _flat(layout.view(m, name))
+        if sq is not None:
+            out["sq"][name] = _flat(layout.view(sq, name))
+        if windows is not None:
+            out["last_sync"][name] = layout.view(windows, name).to(torch.int64).cpu().clone()
         out["residual"][name] = _flat(state.residual(name))
     return out
 
@@ -74,12 +81,11 @@ def selection_groups(state: ScapeState, step: int) -> list[Group]:
     for name in state.params:
         for i in range(layout.nrows[name]):
             row = layout.first_row[name] + i
-            owner = None if state.config.replicated_score else _owner(state, row)
+            owner = None if state.config.replicated_score and not state.sharded else _owner(state, row)
             groups.append(Group(name, i * chunk, min(chunk, layout.numel[name] - i * chunk), owner))
     return groups
 
 
 def _owner(state: ScapeState, row: int) -> int:
-    """The rank whose partition of rows holds ``row`` (it scores it from its own residual)."""
-    rows, world = state.layout.rows, state.world_size
-    return next(r for r in range(world) if rows * r // world <= row < rows * (r + 1) // world)
+    """The rank whose block of rows holds ``row`` (it scores it from its residual, or its shard of m)."""
+    return row // state.layout.block(state.world_size)

@@ -143,6 +143,20 @@ def _script_main(out: Path) -> None:
     acc, scape, model, opt, loader, sched = _build({}, SPARSE, late_scheduler=True)
     _train(acc, model, opt, loader, sched, STEPS)
     result["late_scheduler"] = _report(scape, model, opt, sched)
+    # 6. sharded optimizer state (accelerate-scape's shard_optimizer): save_state, load_state, as 2 and 3
+    sharded = dict(SPARSE, shard_optimizer=True)
+    acc, scape, model, opt, loader, sched = _build({}, sharded)
+    _train(acc, model, opt, loader, sched, STEPS // 2)
+    acc.save_state(str(out / "ckpt_sharded"))
+    acc.wait_for_everyone()
+    acc, scape, model, opt, loader, sched = _build({}, sharded)
+    acc.load_state(str(out / "ckpt_sharded"))
+    _train(acc, model, opt, acc.skip_first_batches(loader, STEPS // 2), sched, STEPS - STEPS // 2)
+    saved = torch.load(out / "ckpt_sharded" / "optimizer.bin", weights_only=True)["state"]
+    result["sharded"] = dict(params=torch.cat([p.detach().float().flatten() for p in model.parameters()]),
+                             sharded=scape.state.sharded, stats=scape.stats(),
+                             saved=sorted(v["exp_avg"].shape for v in saved.values()),
+                             shapes=sorted(p.shape for p in model.parameters()))
     torch.save(result, out / f"main_{rank}.pt")
 
 
@@ -377,10 +391,11 @@ def test_cli_config_interactive_flags_and_env(tmp_path):
     env = _env(tmp_path)
     path = Path(env["HF_HOME"]) / "accelerate" / "scape_config.yaml"
     # interactive: an invalid answer is asked again, empty answers keep defaults
-    answers = "0.8\nabc\n5\n\n\nno\n\n\n\n\n"
+    answers = "0.8\nabc\n5\n\n\nno\n\n\n\n\nyes\n"
     proc = _run(_scape_cli() + ["config"], env, input=answers)
     assert "expects an int" in proc.stdout and str(path) in proc.stdout
-    assert load_config_file(path) == ScapeConfig(sparsity=0.8, warmup_steps=5, error_feedback=False).to_dict()
+    assert load_config_file(path) == ScapeConfig(sparsity=0.8, warmup_steps=5, error_feedback=False,
+                                                 shard_optimizer=True).to_dict()
     # flags: no prompts, hyphen or underscore spelling
     _run(_scape_cli() + ["config", "--sparsity", "0.9", "--warmup-steps", "3", "--mask_refresh", "2"], env)
     assert load_config_file(path) == ScapeConfig(sparsity=0.9, warmup_steps=3, mask_refresh=2).to_dict()
@@ -451,6 +466,15 @@ def test_save_state_load_state_resumes_bit_for_bit(main_run):
         assert torch.equal(r["resumed"]["momentum"], r["full"]["momentum"])
         assert r["resumed"]["stats"] == r["full"]["stats"]
         assert r["resumed"]["lr"] == r["full"]["lr"]
+
+
+def test_save_state_load_state_of_a_sharded_optimizer(main_run):
+    _, ranks = main_run
+    for r in ranks:
+        sharded = r["sharded"]
+        assert sharded["sharded"] and sharded["saved"] == sharded["shapes"]  # the whole state in optimizer.bin
+        assert torch.equal(sharded["params"], r["full"]["params"])  # bit-for-bit the replicated run
+        assert sharded["stats"]["shard_bytes"] > 0 and sharded["stats"]["steps"] == r["full"]["stats"]["steps"]
 
 
 def test_accumulation_under_torch_compile(main_run):

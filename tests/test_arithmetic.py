@@ -33,7 +33,15 @@ CASES = {  # every sparse case runs at its named density (ramp_steps=0) unless i
     "skip_one_bucket": dict(config=dict(sparsity=0.9, warmup_steps=3, ramp_steps=0), steps=9, bucket_cap_mb=0.01,
                             nan_grad_at=6),
     "bf16": dict(config=dict(sparsity=0.9, warmup_steps=2, ramp_steps=0), steps=12, dtype=torch.bfloat16),
+    # shard_optimizer: each rank keeps m, sq, windows of its block of rows (64-wide: blocks cut parameters)
+    "linear99_ramp_sharded": dict(config=dict(sparsity=0.99, warmup_steps=2, ramp_steps=9, chunk_size=64,
+                                              shard_optimizer=True), steps=20, bucket_cap_mb=0.01),
+    "lazy80_delay0_refresh2_sharded": dict(config=dict(sparsity=0.8, warmup_steps=2, ramp_steps=0, update="lazy",
+                                                       mask_delay=0, mask_refresh=2, shard_optimizer=True), steps=14),
+    "skips_sharded": dict(config=dict(sparsity=0.9, warmup_steps=3, ramp_steps=0, shard_optimizer=True), steps=10,
+                          nonfinite_at=(1, 6)),
 }
+SHARDED = ["linear99_ramp_sharded", "lazy80_delay0_refresh2_sharded"]
 
 
 def make_model(dtype: torch.dtype = torch.float32) -> nn.Module:
@@ -112,7 +120,7 @@ def close(got: torch.Tensor, want: torch.Tensor, what: str, rtol: float = 1e-5, 
     torch.testing.assert_close(got, want.to(got.dtype), rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
 
 
-@pytest.mark.parametrize("case", ["linear90", "linear99_ramp", "lazy80_delay0_refresh2", "dense"])
+@pytest.mark.parametrize("case", ["linear90", "linear99_ramp", "lazy80_delay0_refresh2", "dense", *SHARDED])
 def test_every_step_follows_the_contract(runs, case):
     cfg = ScapeConfig(**CASES[case]["config"])
     checked = {"dense": 0, "sparse": 0}
@@ -138,7 +146,7 @@ def test_every_step_follows_the_contract(runs, case):
         assert checked["dense"] == cfg.warmup_steps and checked["sparse"] >= 8
 
 
-@pytest.mark.parametrize("case", ["linear90", "linear99_ramp", "lazy80_delay0_refresh2"])
+@pytest.mark.parametrize("case", ["linear90", "linear99_ramp", "lazy80_delay0_refresh2", *SHARDED])
 def test_masks_are_the_top_k_of_the_contract_score(runs, case):
     cfg = ScapeConfig(**CASES[case]["config"])
     steps = steps_of(runs, case)
@@ -188,9 +196,10 @@ def test_ramp_densities_follow_the_contract(runs):
     assert seen[:3] == [seen[0]] * 3 and seen[0] > seen[3] > seen[6] > seen[9]  # 25%, 6.25%, 1.6%, then 1%
 
 
-def test_skipped_steps_change_nothing_and_lose_nothing(runs):
-    steps = steps_of(runs, "skips")
-    skip = CASES["skips"]["nonfinite_at"]
+@pytest.mark.parametrize("case", ["skips", "skips_sharded"])
+def test_skipped_steps_change_nothing_and_lose_nothing(runs, case):
+    steps = steps_of(runs, case)
+    skip = CASES[case]["nonfinite_at"]
     for t in skip:  # every rank: the state after a skipped step is the state before it
         for rank, rec in enumerate(steps[t]):
             b, a = rec["before"], rec["after"]
@@ -203,7 +212,7 @@ def test_skipped_steps_change_nothing_and_lose_nothing(runs):
                         assert torch.equal(a[key][name], b[key][name]), f"{where}: {key} moved"
                 close(a["residual"][name], b["residual"][name], f"{where}: residual (this step's gradient "
                       "must be dropped, the sent values restored)")
-    assert all(r["skips"]["skipped"] == len(skip) for r in runs)
+    assert all(r[case]["skipped"] == len(skip) for r in runs)
     # conservation over the run: applied + mean residual = sum of the mean gradients of the applied steps
     names = steps[0][0]["before"]["param"]
     for name in names:

@@ -82,10 +82,12 @@ def test_tiny_run_counts_dense_and_scape_bytes(tmp_path):
     for rows in report["summary"].values():
         assert rows["DDP + AdamW"]["bytes"] == 4 * n and rows["DDP + AdamW"]["values"] == n
         assert rows["no-comm + AdamS"]["bytes"] == 0
-        for name in ("SCAPE 90%", "SCAPE 99%"):  # the wrapper's count agrees with SCAPE's own stats
+        for name in ("SCAPE 90%", "SCAPE 99%", "SCAPE 99% sharded"):  # the wrapper's count agrees with SCAPE's own
             assert rows[name]["bytes"] == rows[name]["scape_bytes_sent"]
             assert rows[name]["values"] == rows[name]["scape_values_sent"]
         assert rows["SCAPE 99%"]["bytes"] < rows["SCAPE 90%"]["bytes"] < rows["DDP + AdamW"]["bytes"]
+        # sharded: the same all-reduce, plus the owners' updates and masks (all-gathered)
+        assert rows["SCAPE 99%"]["bytes"] < rows["SCAPE 99% sharded"]["bytes"] < 2 * rows["SCAPE 99%"]["bytes"]
     assert (tmp_path / "p.png").stat().st_size > 0
 
 

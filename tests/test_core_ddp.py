@@ -86,6 +86,8 @@ def _variants(rank, world, sparsity):
         train(ddp, opt, rank, 45, start=5)
         after = state.stats()
         sparse = {k: after[k] - before[k] for k in ("bytes_sent", "dense_bytes", "hook_calls", "steps")}
+        # one plan per live bucket: none left from before DDP's bucket rebuild (it would hold the old buffer)
+        assert sorted(n for plan in state.buckets.values() for n in plan.names) == sorted(state.params), name
         out[name] = snapshot(model, opt) + (sparse,)
     return out
 
@@ -417,14 +419,15 @@ def _device_reads(rank, world):
             return func(*args, **(kwargs or {}))
 
     out = {}
-    for score in ("age_momentum", "momentum_residual"):
+    for score, sharded in (("age_momentum", False), ("momentum_residual", False), ("age_momentum", True)):
         model = make_model()
-        ddp, state, opt = scape_setup(model, 0.9, warmup=2, ddp_kwargs={"bucket_cap_mb": 0.01}, score=score)
+        ddp, state, opt = scape_setup(model, 0.9, warmup=2, ddp_kwargs={"bucket_cap_mb": 0.01}, score=score,
+                                      shard_optimizer=sharded, chunk_size=64 if sharded else 4096)
         train(ddp, opt, rank, 4)
         watch = Watch()
         with watch:  # a sparse step: the hook (gloo's callback thread aside) and the optimizer
             train(ddp, opt, rank, 2, start=4)
-        out[score] = watch.reads
+        out[score + " sharded" * sharded] = watch.reads
     dense = make_model()
     ddp, state, opt = scape_setup(dense, 0.9, warmup=5)
     watch = Watch()
@@ -436,5 +439,5 @@ def _device_reads(rank, world):
 
 def test_sparse_steps_never_wait_on_the_device():
     for reads in run_distributed(_device_reads):
-        assert reads["age_momentum"] == [] and reads["momentum_residual"] == []
+        assert reads["age_momentum"] == [] and reads["momentum_residual"] == [] and reads["age_momentum sharded"] == []
         assert any("_local_scalar_dense" in r for r in reads["dense"])

@@ -188,34 +188,43 @@ def test_metrics_reach_loggers_and_progress_bar(ranks):
 
 
 # ----------------------------------------------------------------------------------------
-def _resume_part(rank, tmp):
+def _resume_part(rank, tmp, **scape):
     full = Regression()
-    trainer(sparse(), tmp, max_epochs=2).fit(full, loader())
+    trainer(sparse(**scape), tmp, max_epochs=2).fit(full, loader())
 
     ckpt = ModelCheckpoint(dirpath=tmp, filename="epoch1")
-    trainer(sparse(), tmp, max_epochs=1, enable_checkpointing=True, callbacks=[ckpt]).fit(Regression(), loader())
+    trainer(sparse(**scape), tmp, max_epochs=1, enable_checkpointing=True, callbacks=[ckpt]).fit(Regression(), loader())
     path = str(Path(tmp) / "epoch1.ckpt")
-    saved = torch.load(path, weights_only=True)["scape"]
+    saved_ckpt = torch.load(path, weights_only=True)
+    saved = saved_ckpt["scape"]
 
     resumed = Regression()
-    t = trainer(sparse(), tmp, max_epochs=2)
+    t = trainer(sparse(**scape), tmp, max_epochs=2)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "Be aware that when using `ckpt_path`")  # no ModelCheckpoint needed here
         t.fit(resumed, loader(), ckpt_path=path)
+    momenta = [s["exp_avg"].shape for s in saved_ckpt["optimizer_states"][0]["state"].values()]
     return dict(full=params(full), resumed=params(resumed), saved_step=saved["step"],
                 saved_ranks=len(saved["residuals"]), saved_masks=sorted(saved["masks"]),
                 saved_residual=sum(r.abs().sum().item() for d in saved["residuals"] for r in d.values()),
-                steps=t.strategy.scape_state.stats()["steps"])
+                steps=t.strategy.scape_state.stats()["steps"], saved_momenta=momenta,
+                sharded=t.strategy.scape_state.sharded)
 
 
-def test_resume_from_checkpoint_continues_bit_for_bit(ranks):
-    results = part(ranks, "resume")
+@pytest.mark.parametrize("name", ["resume", "resume_sharded"])
+def test_resume_from_checkpoint_continues_bit_for_bit(ranks, name):
+    results = part(ranks, name)
     for r in results:
+        assert r["sharded"] == name.endswith("sharded")
         assert r["saved_step"] == 8 and r["saved_ranks"] == 2 and r["saved_residual"] > 0
         assert r["saved_masks"] == [8, 9]  # the masks already chosen for the next two steps
         assert r["steps"] == 16  # the resumed counters continue
+        # the optimizer's whole state, also when each rank keeps half of it (consolidated on rank 0)
+        assert sorted(r["saved_momenta"]) == sorted(p.shape for p in r["full"])
         for p, q in zip(r["full"], r["resumed"]):
             assert torch.equal(p, q)
+    for p, q in zip(results[0]["full"], part(ranks, "resume")[0]["full"]):  # sharded or not: the same run
+        assert torch.equal(p, q)
 
 
 # ----------------------------------------------------------------------------------------
@@ -297,7 +306,7 @@ def test_16_mixed_is_refused(ranks):
 
 
 # ----------------------------------------------------------------------------------------
-def _fabric_part(rank, tmp):
+def _fabric_part(rank, tmp, sharded=False):
     path = str(Path(tmp) / "fabric.ckpt")
 
     def launch(**kwargs):
@@ -306,7 +315,7 @@ def _fabric_part(rank, tmp):
         return fabric
 
     def setup():
-        fabric = launch(strategy=ScapeFabricStrategy(sparsity=0.9, warmup_steps=2))
+        fabric = launch(strategy=ScapeFabricStrategy(sparsity=0.9, warmup_steps=2, shard_optimizer=sharded))
         net = Regression().net
         opt = torch.optim.AdamW(net.parameters(), lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)
         scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 0.9 ** step)
@@ -335,6 +344,9 @@ def _fabric_part(rank, tmp):
     out.update(remainder=remainder, loaded_step=fabric.strategy.scape_state.step)
     train(fabric, model, opt, scheduler, range(4, 8))
     out["resumed"] = params(model)
+    if sharded:
+        out["saved_momenta"] = [s["exp_avg"].shape for s in torch.load(path)["optimizer"]["state"].values()]
+        return out
 
     out["second_model"] = failure(lambda: fabric.setup(Regression().net))
     # the scheduler is built on the user's optimizer and not given to setup: it still drives training
@@ -373,6 +385,15 @@ def test_fabric_setup_accumulation_save_load(ranks):
         assert unpassed["lr"] == unpassed["scheduled"] == pytest.approx(1e-2 * 0.5 ** 3)
     for p, q in zip(results[0]["full"], results[1]["full"]):
         assert torch.equal(p, q)
+
+
+def test_fabric_save_load_of_a_sharded_optimizer(ranks):
+    replicated = part(ranks, "fabric")
+    for rank, r in enumerate(part(ranks, "fabric_sharded")):
+        assert r["remainder"] == {"step": 4} and r["loaded_step"] == 4
+        assert r["saved_momenta"] == [p.shape for p in r["full"]]  # the whole state, consolidated on rank 0
+        for p, q, o in zip(r["full"], r["resumed"], replicated[rank]["full"]):
+            assert torch.equal(p, q) and torch.equal(p, o)
 
 
 # ----------------------------------------------------------------------------------------
@@ -417,7 +438,9 @@ def test_misuse_in_lightning_is_named(ranks):
 
 # ----------------------------------------------------------------------------------------
 PARTS = {"registered_name": _registered_name_part, "train": _train_part, "resume": _resume_part,
-         "variants": _variants_part, "fabric": _fabric_part, "misuse": _misuse_part}
+         "resume_sharded": lambda rank, tmp: _resume_part(rank, tmp, shard_optimizer=True),
+         "variants": _variants_part, "fabric": _fabric_part,
+         "fabric_sharded": lambda rank, tmp: _fabric_part(rank, tmp, sharded=True), "misuse": _misuse_part}
 
 
 def _all_parts(rank, world, tmp):
@@ -453,6 +476,10 @@ def test_registration_and_arguments():
     kw = dict(accelerator="cpu", devices=2, logger=False)
     assert type(L.Trainer(strategy="scape", **kw).strategy) is ScapeStrategy
     assert L.Trainer(strategy="scape_spawn", **kw).strategy._start_method == "spawn"
+    for strategy in (L.Trainer(strategy="scape_sharded", **kw).strategy, L.Fabric(strategy="scape_sharded").strategy,
+                     pytorch_lightning.Trainer(strategy="scape_sharded", **kw).strategy):
+        assert strategy.scape_config.shard_optimizer and strategy._start_method == "popen"
+    assert not L.Trainer(strategy="scape", **kw).strategy.scape_config.shard_optimizer
     assert type(L.Fabric(strategy="scape", accelerator="cpu", devices=2).strategy) is ScapeFabricStrategy
     assert type(pytorch_lightning.Trainer(strategy="scape", **kw).strategy) is lightning_scape.standalone.ScapeStrategy
     fabric = lightning_fabric.Fabric(strategy="scape", accelerator="cpu", devices=2)
