@@ -11,6 +11,7 @@ from scape_core.layout import MAX_CHUNK
 from scape_core.schedule import MaskSchedule
 
 SCORES = ("auto", "momentum_residual", "momentum", "age_momentum")
+WIRES = ("native", "bfloat16", "int8", "int4")
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,13 @@ class ScapeConfig:
         chunk_size: masks pick ``ceil(density * chunk_size)`` coordinates in every row of this
             many coordinates of the flat layout (a parameter's last, shorter row picks its share),
             with one batched top-k; at most 32768 (columns are int16).
+        wire: how a sparse step's values travel. ``"native"`` (default): in the gradients' dtype,
+            one all-reduce. ``"bfloat16"``, ``"int8"``, ``"int4"``: 16, 8 or 4 bits per value (the
+            integer ones with one fp32 scale per block of ``wire_block`` values), reduced in two
+            stages (all-to-all, fp32 sum by the segment's owner, all-gather); each rank keeps its
+            rounding in its residual (:mod:`scape_core.wire`). At equal bytes, fewer bits buy more
+            coordinates: ``sparsity=0.925, wire="int4"`` sends what ``sparsity=0.99`` sends in fp32.
+        wire_block: values per scale of an integer wire (at most; blocks split a segment evenly).
 
     Example:
         >>> ScapeConfig(sparsity=0.9, warmup_steps=20).density
@@ -58,6 +66,8 @@ class ScapeConfig:
     update: str = "linear"
     ramp_steps: int = 150
     chunk_size: int = 4096
+    wire: str = "native"
+    wire_block: int = 128
 
     def __post_init__(self) -> None:
         from scape_core.update_rules import UPDATE_RULES  # late: rules import this module
@@ -72,6 +82,9 @@ class ScapeConfig:
         _check_int("chunk_size", self.chunk_size, minimum=16)
         if self.chunk_size > MAX_CHUNK:
             raise ValueError(f"chunk_size must be <= {MAX_CHUNK} (columns are int16), got {self.chunk_size!r}")
+        if self.wire not in WIRES:
+            raise ValueError(f"wire must be one of {WIRES}, got {self.wire!r}")
+        _check_int("wire_block", self.wire_block, minimum=8)
         if self.mask_delay not in (0, 1) or isinstance(self.mask_delay, bool):
             raise ValueError(f"mask_delay must be 0 or 1, got {self.mask_delay!r}")
         if not isinstance(self.error_feedback, bool):

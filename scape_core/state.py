@@ -13,6 +13,7 @@ from scape_core import inflight
 from scape_core.config import ScapeConfig
 from scape_core.layout import FlatLayout
 from scape_core.masks import Mask, age_momentum_score, momentum_residual_score, select, strided
+from scape_core.wire import WirePlan
 
 _WRAPPER_PREFIXES = ("module.", "_orig_mod.", "_forward_module.")
 
@@ -150,6 +151,7 @@ class ScapeState:
         self._scratch: Tensor | None = None  # the CPU's score buffer (see _workspace)
         self.row_shift = torch.zeros(self.layout.rows, dtype=torch.long, device=self.layout.device)
         self.buckets: dict[tuple[int, int], Any] = {}  # the hook's per-bucket plans
+        self._wire_plans: dict[int, WirePlan] = {}
         self.bucket_views: dict[str, Tensor] = {}  # each parameter's gradient view in its DDP bucket
         self.optimizer: Any = None
         self.counters = dict(steps=0, hook_calls=0, values_sent=0, bytes_sent=0, mask_bytes=0, dense_bytes=0)
@@ -240,6 +242,12 @@ class ScapeState:
     def record_exchange(self, buffer: Tensor, positions: Tensor, spans: list[tuple[int, int]]) -> None:
         """A sparse bucket's buffer, its entries' positions there, and their place among the mask's entries."""
         self._current.exchanges.append((buffer, positions, spans))
+
+    def wire_plan(self, entries: int) -> WirePlan:
+        """The shape of a compact buffer of ``entries`` values on this run's encoded wire (built once)."""
+        if entries not in self._wire_plans:
+            self._wire_plans[entries] = WirePlan(self.config.wire, entries, self.world_size, self.config.wire_block)
+        return self._wire_plans[entries]
 
     def count(self, values: int, nbytes: int, dense_bytes: int) -> None:
         self.counters["values_sent"] += values
