@@ -404,14 +404,14 @@ def _device_reads(rank, world):
             return func(*args, **(kwargs or {}))
 
     out = {}
-    for score in ("age_momentum", "momentum_residual"):
+    for score, wire in (("age_momentum", "native"), ("momentum_residual", "native"), ("age_momentum", "int4")):
         model = make_model()
-        ddp, state, opt = scape_setup(model, 0.9, warmup=2, ddp_kwargs={"bucket_cap_mb": 0.01}, score=score)
+        ddp, state, opt = scape_setup(model, 0.9, warmup=2, ddp_kwargs={"bucket_cap_mb": 0.01}, score=score, wire=wire)
         train(ddp, opt, rank, 4)
         watch = Watch()
         with watch:  # a sparse step: the hook (gloo's callback thread aside) and the optimizer
             train(ddp, opt, rank, 2, start=4)
-        out[score] = watch.reads
+        out[score if wire == "native" else wire] = watch.reads
     dense = make_model()
     ddp, state, opt = scape_setup(dense, 0.9, warmup=5)
     watch = Watch()
@@ -423,5 +423,5 @@ def _device_reads(rank, world):
 
 def test_sparse_steps_never_wait_on_the_device():
     for reads in run_distributed(_device_reads):
-        assert reads["age_momentum"] == [] and reads["momentum_residual"] == []
+        assert reads["age_momentum"] == [] and reads["momentum_residual"] == [] and reads["int4"] == []
         assert any("_local_scalar_dense" in r for r in reads["dense"])
