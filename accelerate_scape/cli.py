@@ -31,6 +31,8 @@ QUESTIONS = {
     "update": "Masked update rule, one of {rules}",
     "ramp_steps": "Steps after the warm-up with denser masks (25%, 6.25%, 1.6% density), 0 for none",
     "chunk_size": "Coordinates per mask row: each row sends the same share, picked by one top-k (16 to 32768)",
+    "wire": "How a sparse step's values travel: native (the gradients' dtype), bfloat16, int8 or int4",
+    "wire_block": "Values per fp32 scale of an int8/int4 wire",
 }
 
 

@@ -133,7 +133,9 @@ def scape_hook(state: ScapeState, bucket: dist.GradBucket) -> torch.futures.Futu
     coordinates of the step's mask (the same on every rank) into one compact buffer, and
     all-reduces that buffer alone (values, no indices). The bucket comes back holding the mean
     on the mask and zeros elsewhere; the unsent rest stays in this rank's residual. Warm-up
-    steps (and ``sparsity=0``) are plain averaging all-reduces. Needs :class:`ScapeAdamS`.
+    steps (and ``sparsity=0``) are plain averaging all-reduces. With an encoded ``wire``
+    (``ScapeConfig.wire``) the compact buffer travels in 16, 8 or 4 bits per value through an
+    all-to-all and an all-gather instead (:func:`exchange_encoded`). Needs :class:`ScapeAdamS`.
 
     Example::
 

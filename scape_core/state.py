@@ -67,8 +67,9 @@ class ScapeState:
     Tuning (see ``docs/benchmarks.md`` for the measurements behind the defaults):
 
     - ``sparsity``: the fraction of coordinates a sparse step does not exchange. Bytes per
-      step are about ``(1 - sparsity)`` of dense DDP's (values only: with the default score
-      every rank computes the mask itself). Quality cost grows with sparsity: measure before 0.99.
+      step are about ``(1 - sparsity)`` of dense DDP's with fp32 values on the wire (values
+      only: with the default score every rank computes the mask itself), times ``bits / 32``
+      on an encoded ``wire``. Quality cost grows with sparsity: measure before 0.99.
     - ``warmup_steps``: dense steps first. They fill the momentum the first mask is scored
       from and outlive DDP's bucket rebuild after iteration 1. Tens to hundreds of steps.
     - ``ramp_steps``: after the warm-up, denser masks for a while (25%, 6.25%, 1.6% density),
@@ -79,6 +80,13 @@ class ScapeState:
       critical path); 0 selects it at the end of the step before (ablation).
     - ``mask_refresh``: steps between new masks; larger saves selection time.
     - ``chunk_size``: masks pick the same share of every row of this many coordinates.
+    - ``wire``: how a sparse step's values travel. ``"native"`` sends the gradients' dtype in one
+      all-reduce; ``"bfloat16"``, ``"int8"``, ``"int4"`` send 16, 8 or 4 bits per value (integers
+      with one fp32 scale per ``wire_block`` values) in two collectives (an all-to-all to each
+      segment's owner, which sums in fp32, and an all-gather of the means), every rank keeping
+      its rounding in its residual. Fewer bits per value buy more coordinates at equal bytes,
+      which is what quality follows: ``sparsity=0.925, wire="int4"`` costs the bytes of
+      ``sparsity=0.99`` in fp32 and measured far better (``docs/benchmarks.md``).
 
     The residual and the windows are flat ``(rows, chunk)`` buffers (:mod:`scape_core.layout`)
     with a view per parameter name: checkpoints stay keyed by name, never by DDP bucket, so the
