@@ -310,8 +310,9 @@ def _collectives(rank, world):
     import scape_core.hook as hook_module
     import scape_core.state as state_module
 
-    calls = {"all_reduce": [], "all_gather": 0}
+    calls = {"all_reduce": [], "all_gather": 0, "all_to_all": []}
     real_reduce, real_gather = hook_module.dist.all_reduce, state_module.dist.all_gather_into_tensor
+    real_to_all = hook_module.dist.all_to_all_single
 
     def counting_reduce(tensor, *args, **kwargs):
         calls["all_reduce"].append(tensor.numel())
@@ -321,7 +322,12 @@ def _collectives(rank, world):
         calls["all_gather"] += 1
         return real_gather(*args, **kwargs)
 
+    def counting_to_all(output, tensor, *args, **kwargs):
+        calls["all_to_all"].append(tensor.numel() * tensor.element_size())
+        return real_to_all(output, tensor, *args, **kwargs)
+
     hook_module.dist.all_reduce, state_module.dist.all_gather_into_tensor = counting_reduce, counting_gather
+    hook_module.dist.all_to_all_single = counting_to_all
     try:
         out = {}
         for score in ("age_momentum", "momentum_residual"):  # replicated: no mask exchange; per rank: one
@@ -333,6 +339,17 @@ def _collectives(rank, world):
             train(ddp, opt, rank, 10, start=3)
             out[score] = dict(sparse=list(calls["all_reduce"]), gathers=calls["all_gather"],
                               mask_bytes=state.stats()["mask_bytes"])
+        # an encoded wire: per bucket and sparse step one all-to-all and one all-gather, no all-reduce
+        model = make_model()
+        ddp, state, opt = scape_setup(model, 0.99, warmup=3, ddp_kwargs={"bucket_cap_mb": 0.01}, wire="int4")
+        train(ddp, opt, rank, 3)
+        calls["all_reduce"].clear()
+        calls["all_gather"], calls["all_to_all"], before = 0, [], state.stats()
+        train(ddp, opt, rank, 10, start=3)
+        after = state.stats()
+        out["int4"] = dict(reduces=len(calls["all_reduce"]), gathers=calls["all_gather"], to_all=list(calls["all_to_all"]),
+                           hook_calls=after["hook_calls"] - before["hook_calls"],
+                           bytes=after["bytes_sent"] - before["bytes_sent"])
         # with a ramp: 2 steps each at 25%, 6.25%, 1.5625%, then 1% (values per step, all buckets)
         ramped = make_model()
         ddp, state, opt = scape_setup(ramped, 0.99, warmup=3, ramp_steps=6)
@@ -344,6 +361,7 @@ def _collectives(rank, world):
         return out, [p.numel() for p in model.parameters()]
     finally:
         hook_module.dist.all_reduce, state_module.dist.all_gather_into_tensor = real_reduce, real_gather
+        hook_module.dist.all_to_all_single = real_to_all
 
 
 def expected_values(numels: list[int], density: float, chunk: int = 4096) -> int:
@@ -361,6 +379,10 @@ def test_one_compact_all_reduce_per_bucket_and_masks_exchanged_only_when_the_sco
         assert sum(sparse) == 10 * expected_values(numels, 0.01)  # 1% of every row, rounded up
         assert out[score]["gathers"] == gathers  # one mask all-gather after each step, only for a per-rank score
         assert (out[score]["mask_bytes"] > 0) == (gathers > 0)
+    encoded = out["int4"]
+    assert encoded["reduces"] == 0 and encoded["hook_calls"] >= 20  # several buckets, 10 steps
+    assert len(encoded["to_all"]) == encoded["gathers"] == encoded["hook_calls"]
+    assert sum(encoded["to_all"]) == encoded["bytes"]  # the bytes counted are the bytes handed over
     ramp = out["ramp"]
     assert ramp[:3] == [n, n, n]  # dense warm-up
     for i, density in enumerate([0.25, 0.25, 0.0625, 0.0625, 0.015625, 0.015625, 0.01, 0.01]):
