@@ -120,7 +120,7 @@ class SimulatedScape:
         self.score = score or config.resolved_score
         if scope not in ("row", "global"):
             raise ValueError(f"scope must be 'row' or 'global', got {scope!r}")
-        self.wire = wire or config.wire  # prototype: "int2", which the core does not ship
+        self.wire = wire or config.resolved_wire  # prototype: "int2", which the core does not ship
         self.scope, self.vector_density = scope, vector_density
         self.buckets = buckets  # DDP's buckets (parameter names): an encoded wire exchanges each on its own
         self.rule = UPDATE_RULES[config.update]

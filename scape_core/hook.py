@@ -84,7 +84,7 @@ def compact(state: ScapeState, p: BucketPlan, mask: Mask, buffer: Tensor) -> tup
     if state.residual_buffer is not None:
         picked += state.residual_buffer.view(-1).index_select(0, entries)
     state.record_exchange(buffer, positions, spans)
-    if state.config.wire != "native":
+    if state.config.resolved_wire != "native":
         plan = state.wire_plan(entries.numel())
         x = wire.pad(plan, picked.masked_fill_(~finite, float("nan")))  # (W, segment): one segment per owner
         send = wire.encode(plan, x)

@@ -254,7 +254,7 @@ class ScapeState:
     def wire_plan(self, entries: int) -> WirePlan:
         """The shape of a compact buffer of ``entries`` values on this run's encoded wire (built once)."""
         if entries not in self._wire_plans:
-            self._wire_plans[entries] = WirePlan(self.config.wire, entries, self.world_size, self.config.wire_block)
+            self._wire_plans[entries] = WirePlan(self.config.resolved_wire, entries, self.world_size, self.config.wire_block)
         return self._wire_plans[entries]
 
     def count(self, values: int, nbytes: int, dense_bytes: int) -> None:

@@ -23,7 +23,7 @@ from tests.dist import run_distributed
 BETAS, EPS, WD = (0.9, 0.95), 1e-8, 0.1
 CASES = {  # every sparse case runs at its named density (ramp_steps=0) unless it tests the ramp
     "linear90": dict(config=dict(sparsity=0.9, warmup_steps=3, ramp_steps=0), steps=24, bucket_cap_mb=0.01),
-    "linear99_ramp": dict(config=dict(sparsity=0.99, warmup_steps=2, ramp_steps=9), steps=20),
+    "linear99_ramp": dict(config=dict(sparsity=0.99, warmup_steps=2, ramp_steps=9, wire="native"), steps=20),
     "lazy80_delay0_refresh2": dict(config=dict(sparsity=0.8, warmup_steps=2, ramp_steps=0, update="lazy",
                                                mask_delay=0, mask_refresh=2), steps=14, bucket_cap_mb=0.01),
     "dense": dict(config=dict(sparsity=0.0), steps=10),
@@ -88,7 +88,7 @@ def _record(rank: int, world: int, cases: dict) -> dict:
             loss.backward()
             used = probe.mask(state, t)
             groups = None if used is None else probe.selection_groups(state, t)
-            compact = probe.wire_segments(state) if used is not None and state.config.wire != "native" else None
+            compact = probe.wire_segments(state) if used is not None and state.config.resolved_wire != "native" else None
             synced = {n: p.grad.detach().reshape(-1).double().clone() for n, p in state.params.items()}
             opt.step()
             opt.zero_grad()

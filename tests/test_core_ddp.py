@@ -76,11 +76,11 @@ VARIANTS = {
 }
 
 
-def _variants(rank, world, sparsity):
+def _variants(rank, world, sparsity, wire):
     out = {}
     for name, kw in VARIANTS.items():
         model = make_model()
-        ddp, state, opt = scape_setup(model, sparsity, warmup=5, ddp_kwargs=kw)
+        ddp, state, opt = scape_setup(model, sparsity, warmup=5, ddp_kwargs=kw, wire=wire)
         train(ddp, opt, rank, 5)
         before = state.stats()
         train(ddp, opt, rank, 45, start=5)
@@ -90,17 +90,20 @@ def _variants(rank, world, sparsity):
     return out
 
 
-@pytest.mark.parametrize("sparsity, bound", [(0.9, 0.1 + 0.04), (0.99, 0.01 + 0.01)])
-def test_replicas_identical_and_bytes_bounded(sparsity, bound):
-    r0, r1 = run_distributed(_variants, sparsity)
+@pytest.mark.parametrize("sparsity, wire, bound", [(0.9, "native", 0.1 + 0.04), (0.99, "native", 0.01 + 0.01),
+                                                  (0.99, "auto", 0.01 + 0.005)])  # auto: int4 at 99%
+def test_replicas_identical_and_bytes_bounded(sparsity, wire, bound):
+    r0, r1 = run_distributed(_variants, sparsity, wire)
     for name in VARIANTS:
         (p0, m0, sent), (p1, m1, _) = r0[name], r1[name]
         assert all(torch.equal(a, b) for a, b in zip(p0, p1)), f"{name}: parameters differ across ranks"
         assert all(torch.equal(a, b) for a, b in zip(m0, m1)), f"{name}: momenta differ across ranks"
         ratio = sent["bytes_sent"] / sent["dense_bytes"]
         assert 0.99 * (1 - sparsity) <= ratio <= bound, (name, ratio)
-        # every DDP layout trains to the same parameters: state is keyed by name, not bucket
-        assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(p0, r0["default"][0])), name
+        # every DDP layout trains to the same parameters: state is keyed by name, not bucket (an encoded
+        # wire cuts its scale blocks and owners' segments per bucket, so its rounding depends on the buckets)
+        if wire == "native":
+            assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(p0, r0["default"][0])), name
     assert r0["buckets"][2]["hook_calls"] > r0["buckets"][2]["steps"]  # really several buckets
 
 
@@ -144,19 +147,19 @@ def test_error_feedback_conserves_gradient_mass():
 
 
 # ----------------------------------------------------------------------------------------
-def _resume(rank, world):
+def _resume(rank, world, wire="native"):
     model = make_model()
-    ddp, state, opt = scape_setup(model, 0.9)
+    ddp, state, opt = scape_setup(model, 0.9, wire=wire)
     train(ddp, opt, rank, 20)
     straight = snapshot(model, opt)
 
     model = make_model()
-    ddp, state, opt = scape_setup(model, 0.9)
+    ddp, state, opt = scape_setup(model, 0.9, wire=wire)
     train(ddp, opt, rank, 10)
     ckpt = copy.deepcopy({"model": model.state_dict(), "opt": opt.state_dict(), "scape": gather_state_dict(state)})
     model = make_model(seed=123)  # a fresh run, then everything restored
     model.load_state_dict(ckpt["model"])
-    ddp, state, opt = scape_setup(model, 0.9)
+    ddp, state, opt = scape_setup(model, 0.9, wire=wire)
     opt.load_state_dict(ckpt["opt"])
     state.load_state_dict(ckpt["scape"])
     train(ddp, opt, rank, 10, start=10)
@@ -184,6 +187,12 @@ def test_checkpoint_resume_is_bit_for_bit_and_survives_world_size_change():
     (caught, mean_ok, step), = run_distributed(_resume_one_rank, full, world_size=1)
     assert any("world size 2" in w for w in caught)
     assert mean_ok and step == 13
+
+
+def test_checkpoint_resume_is_bit_for_bit_on_an_encoded_wire():
+    (straight, resumed, _), _ = run_distributed(_resume, "int4")  # the same buckets: the same rounding
+    for a, b in zip(straight[0] + straight[1], resumed[0] + resumed[1]):
+        assert torch.equal(a, b)
 
 
 # ----------------------------------------------------------------------------------------
@@ -332,7 +341,8 @@ def _collectives(rank, world):
         out = {}
         for score in ("age_momentum", "momentum_residual"):  # replicated: no mask exchange; per rank: one
             model = make_model()
-            ddp, state, opt = scape_setup(model, 0.99, warmup=3, ddp_kwargs={"bucket_cap_mb": 0.01}, score=score)
+            ddp, state, opt = scape_setup(model, 0.99, warmup=3, ddp_kwargs={"bucket_cap_mb": 0.01}, score=score,
+                                          wire="native")
             train(ddp, opt, rank, 3)
             calls["all_reduce"].clear()
             calls["all_gather"] = 0
@@ -352,7 +362,7 @@ def _collectives(rank, world):
                            bytes=after["bytes_sent"] - before["bytes_sent"])
         # with a ramp: 2 steps each at 25%, 6.25%, 1.5625%, then 1% (values per step, all buckets)
         ramped = make_model()
-        ddp, state, opt = scape_setup(ramped, 0.99, warmup=3, ramp_steps=6)
+        ddp, state, opt = scape_setup(ramped, 0.99, warmup=3, ramp_steps=6, wire="native")
         calls["all_reduce"].clear()
         for step in range(11):
             before = len(calls["all_reduce"])

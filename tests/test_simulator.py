@@ -13,16 +13,17 @@ STEPS = 20
 LR, WD = 1e-2, 0.1
 CONFIGS = {  # ramp_steps=0 runs at the named sparsity; "ramp" tests the ramp (6-step stages)
     "default": dict(sparsity=0.9, warmup_steps=3, ramp_steps=0),
-    "ramp": dict(sparsity=0.99, warmup_steps=3, ramp_steps=18),
+    "ramp": dict(sparsity=0.99, warmup_steps=3, ramp_steps=18, wire="native"),
     "delay0_momentum_refresh2": dict(sparsity=0.9, warmup_steps=3, mask_delay=0, score="momentum", mask_refresh=2,
                                      ramp_steps=0),
     "no_warmup": dict(sparsity=0.9, warmup_steps=0, ramp_steps=0),
-    "linear": dict(sparsity=0.99, warmup_steps=3, update="linear", ramp_steps=0),
+    "linear": dict(sparsity=0.99, warmup_steps=3, update="linear", ramp_steps=0, wire="native"),
     "catchup": dict(sparsity=0.9, warmup_steps=3, update="catchup", ramp_steps=0),
     # encoded wires: every bucket's two-stage exchange, its rounding kept, its bytes (blocks of 16: several)
     "bfloat16": dict(sparsity=0.9, warmup_steps=3, ramp_steps=0, wire="bfloat16"),
     "int8": dict(sparsity=0.8, warmup_steps=3, ramp_steps=0, wire="int8", wire_block=16),
     "int4_ramp": dict(sparsity=0.99, warmup_steps=3, ramp_steps=18, wire="int4", wire_block=16),
+    "auto99": dict(sparsity=0.99, warmup_steps=3, ramp_steps=0),  # the default wire: int4 from 98% up
 }
 
 
@@ -92,7 +93,7 @@ def test_simulator_matches_real_hook(real, name):
         # catchup's replay; a wrong mask, window or formula moves parameters by 1e-3 or more. An
         # encoded wire's rounding would turn a last-bit difference into a different value sent: with
         # one thread on both sides there is none, and the wires must match exactly
-        bound = 0.0 if CONFIGS[name].get("wire", "native") != "native" else 2e-6
+        bound = 0.0 if ScapeConfig(**CONFIGS[name]).resolved_wire != "native" else 2e-6
         assert diff <= bound, f"{name}: simulator and rank {rank} differ by {diff}"
         for key in ("steps", "values_sent", "bytes_sent", "mask_bytes", "dense_bytes"):
             assert stats[key] == ref_stats[key], (name, key, stats[key], ref_stats[key])
