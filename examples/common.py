@@ -206,7 +206,7 @@ def add_training_args(p: argparse.ArgumentParser, out: str) -> None:
     p.add_argument("--sparsity", type=float, default=0.99, help="fraction of gradient values NOT sent")
     p.add_argument("--warmup-steps", type=int, default=30, help="dense steps before sparse communication")
     p.add_argument("--wire", default=None, choices=WIRES,
-                   help="how sparse steps send values: auto (the default: int4 from sparsity 0.98 up, native "
+                   help="how sparse steps send values: auto (the default: int4 from sparsity 0.97 up, native "
                         "below), native, bfloat16, int8, int4 (same bytes, more coordinates)")
     p.add_argument("--ramp-steps", type=int, default=90,
                    help="steps after the warm-up with denser masks (25%%, 6.25%%, 1.6%% density), 0 for none")

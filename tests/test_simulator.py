@@ -23,7 +23,7 @@ CONFIGS = {  # ramp_steps=0 runs at the named sparsity; "ramp" tests the ramp (6
     "bfloat16": dict(sparsity=0.9, warmup_steps=3, ramp_steps=0, wire="bfloat16"),
     "int8": dict(sparsity=0.8, warmup_steps=3, ramp_steps=0, wire="int8", wire_block=16),
     "int4_ramp": dict(sparsity=0.99, warmup_steps=3, ramp_steps=18, wire="int4", wire_block=16),
-    "auto99": dict(sparsity=0.99, warmup_steps=3, ramp_steps=0),  # the default wire: int4 from 98% up
+    "auto99": dict(sparsity=0.99, warmup_steps=3, ramp_steps=0),  # the default wire: int4 from 97% up
 }
 
 
