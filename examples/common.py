@@ -206,8 +206,8 @@ def add_training_args(p: argparse.ArgumentParser, out: str) -> None:
     p.add_argument("--sparsity", type=float, default=0.99, help="fraction of gradient values NOT sent")
     p.add_argument("--warmup-steps", type=int, default=30, help="dense steps before sparse communication")
     p.add_argument("--wire", default=None, choices=WIRES,
-                   help="how sparse steps send values: auto (the default: int4 from sparsity 0.97 up, native "
-                        "below), native, bfloat16, int8, int4 (same bytes, more coordinates)")
+                   help="how sparse steps send values: auto (the default: int4 from sparsity 0.97 up, int8 from "
+                        "0.95, native below), native, bfloat16, int8, int4 (same bytes, more coordinates)")
     p.add_argument("--ramp-steps", type=int, default=90,
                    help="steps after the warm-up with denser masks (25%%, 6.25%%, 1.6%% density), 0 for none")
     p.add_argument("--max-steps", type=int, default=300, help="optimizer steps")

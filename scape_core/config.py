@@ -13,7 +13,9 @@ from scape_core.schedule import MaskSchedule
 SCORES = ("auto", "momentum_residual", "momentum", "age_momentum")
 WIRES = ("auto", "native", "bfloat16", "int8", "int4")
 WIRE_BITS = {"bfloat16": 16, "int8": 8, "int4": 4}
-AUTO_INT4_SPARSITY = 0.97  # wire="auto" sends int4 from here up: it won at 1-3% of dense bytes, lost at 5% and 10%
+# wire="auto": the wire from each sparsity up, as measured at equal bytes (docs/benchmarks.md): int4 won at 1-3%
+# of dense bytes, int8 at 5%, both tied native at 7% and lost at 10%
+AUTO_WIRES = ((0.97, "int4"), (0.95, "int8"))
 
 
 @dataclass(frozen=True)
@@ -52,8 +54,8 @@ class ScapeConfig:
             stages (all-to-all, fp32 sum by the segment's owner, all-gather); each rank keeps its
             rounding in its residual (:mod:`scape_core.wire`); the mask takes ``32 / bits`` times
             the coordinates, so the bytes stay ``1 - sparsity``. ``"auto"`` (default): ``"int4"``
-            at ``sparsity >= 0.97``, where it measured far better at equal bytes (99%: +11% ->
-            about -1% val loss against dense AdamS), ``"native"`` below, where it lost.
+            at ``sparsity >= 0.97``, ``"int8"`` from 0.95, where each measured best at equal bytes
+            (99%: +11% -> about -1% val loss against dense AdamS), ``"native"`` below, where they lost.
         wire_block: values per scale of an integer wire (at most; blocks split a segment evenly).
 
     Example:
@@ -135,12 +137,12 @@ class ScapeConfig:
         """The wire in use (``"auto"`` resolved for the sparsity).
 
         Example:
-            >>> ScapeConfig(sparsity=0.99).resolved_wire, ScapeConfig(sparsity=0.9).resolved_wire
-            ('int4', 'native')
+            >>> [ScapeConfig(sparsity=s).resolved_wire for s in (0.99, 0.96, 0.9)]
+            ['int4', 'int8', 'native']
         """
         if self.wire != "auto":
             return self.wire
-        return "int4" if float(self.sparsity) >= AUTO_INT4_SPARSITY else "native"
+        return next((wire for least, wire in AUTO_WIRES if float(self.sparsity) >= least), "native")
 
     @property
     def schedule(self) -> MaskSchedule:
