@@ -33,6 +33,8 @@ QUESTIONS = {
     "chunk_size": "Coordinates per mask row: each row sends the same share, picked by one top-k (16 to 32768)",
     "shard_optimizer": "Shard the optimizer state (ZeRO-1: each rank keeps m, sq and windows of 1/W of the "
                        "coordinates; more bytes per step)? (yes/no)",
+    "wire": "How a sparse step's values travel: native (the gradients' dtype), bfloat16, int8 or int4",
+    "wire_block": "Values per fp32 scale of an int8/int4 wire",
 }
 
 

@@ -36,6 +36,7 @@ from benchmarks.bench_common import Block  # noqa: E402
 from benchmarks.bench_common import shakespeare as bench_shakespeare  # noqa: E402
 from benchmarks.simulator import PROTOTYPE_SCORES, SimulatedScape, SimulatedTopK, rank_gradients  # noqa: E402
 from scape_core import AdamS, ScapeConfig  # noqa: E402
+from scape_core.config import WIRE_BITS, WIRES  # noqa: E402
 
 METHODS: dict[str, dict] = {
     "adamw": dict(kind="adamw"),
@@ -128,12 +129,21 @@ def build(cfg: dict, model: nn.Module, args: argparse.Namespace):
     # scapeXX is the contract's reading (lazy rule, residual score, no ramp) whatever the library defaults
     fields = dict(update="lazy", score="momentum_residual", ramp_steps=int(cfg.get("ramp", 0)))
     fields.update({k: cfg[k] for k in ("sparsity", "mask_delay", "mask_refresh", "update", "error_feedback",
-                                       "chunk_size") if k in cfg})
+                                       "chunk_size", "wire_block") if k in cfg})
+    wire = cfg.get("wire", "native")  # names without a wire predate wire="auto": their values are native
+    if wire in WIRES:
+        fields["wire"] = wire
+    if wire in WIRE_BITS:  # a name's sparsity is the coordinates' (as in every run in the docs); the core's, the bytes'
+        bits = WIRE_BITS[wire] + (32 / int(cfg.get("wire_block", 128)) if wire != "bfloat16" else 0.0)
+        fields["sparsity"] = 1.0 - (1.0 - float(fields["sparsity"])) * bits / 32
     if cfg.get("score") in ("momentum_residual", "momentum", "age_momentum"):
         fields["score"] = cfg["score"]
     config = ScapeConfig(warmup_steps=warmup, **fields)
     score = cfg.get("score") if cfg.get("score") in PROTOTYPE_SCORES else None
-    return SimulatedScape(model, args.world_size, config, send=cfg.get("send", "gradient"), score=score, **hp)
+    proto = {k: cfg[k] for k in ("scope", "vector_density") if k in cfg}  # prototype switches
+    if cfg.get("wire") not in (None, *WIRES):
+        proto["wire"] = cfg["wire"]
+    return SimulatedScape(model, args.world_size, config, send=cfg.get("send", "gradient"), score=score, **proto, **hp)
 
 
 def lr_at(step: int, steps: int, peak: float) -> float:

@@ -79,7 +79,9 @@ def build(name: str, base: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer,
         return ddp, AdamS(ddp.parameters(), **hp), None
     if name == "ZeRO + AdamW":
         return ddp, ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, **hp), None
-    state = ScapeState(ddp, sparsity=0.99, warmup_steps=1, ramp_steps=0, shard_optimizer=name.endswith("sharded"))
+    # wire="native" in both modes (what "auto" is when sharded): the same masks and bytes to compare
+    state = ScapeState(ddp, sparsity=0.99, warmup_steps=1, ramp_steps=0, wire="native",
+                       shard_optimizer=name.endswith("sharded"))
     ddp.register_comm_hook(state, scape_hook)
     return ddp, ScapeAdamS(ddp.parameters(), state, **hp), state
 

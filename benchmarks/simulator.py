@@ -13,11 +13,14 @@ stacked along a leading rank axis instead of spread over processes:
   residual selects rank r's partition of rows from rank r's residual.
 
 Bytes are counted as the core counts them, per rank and step: the values handed to the
-all-reduce plus each partitioned selection's all-gather payload. ``tests/test_simulator.py``
-checks parameters and bytes against the real 2-process hook.
+all-reduce (an encoded wire: its encoded buffer, ``scape_core.wire``) plus each partitioned
+selection's all-gather payload. ``tests/test_simulator.py`` checks parameters and bytes against
+the real 2-process hook (an encoded wire exchanges each DDP bucket on its own: pass ``buckets``).
 
 Prototype switches the core does not have are marked as such: ``send="momentum"`` (DGC-style
-momentum correction) and the scores ``residual``, ``age``, ``gain``, ``pending``.
+momentum correction), the scores ``residual``, ``age``, ``gain``, ``pending``, ``wire="int2"``,
+``scope="global"`` (one top-k over every coordinate) and ``vector_density`` (1-D parameters at
+their own density).
 :class:`SimulatedTopK` is the raw top-k + error feedback + AdamW baseline.
 
 Example:
@@ -38,7 +41,8 @@ from benchmarks import candidate_rules  # noqa: F401  (registers the candidate r
 from scape_core.adams import adams_foreach
 from scape_core.config import ScapeConfig
 from scape_core.layout import FlatLayout, topk_count
-from scape_core.masks import Mask, age_momentum_score, momentum_residual_score, select, strided
+from scape_core import wire as wires
+from scape_core.masks import EXCLUDED, PADDING, Mask, age_momentum_score, momentum_residual_score, select, strided
 from scape_core.update_rules import UPDATE_RULES
 
 VALUE_BYTES = 4  # fp32 gradients
@@ -79,6 +83,13 @@ class SimulatedScape:
             ``"gain"`` scores ``(n - 1) m^2 / d`` (needs ``update="linear_keep_d"``), the
             first-order loss decrease of applying the pending sum; ``"pending"`` scores
             ``sqrt((n - 1)^2 m^2 + (n - 1) sigma^2)`` (same rule), its expected size noise included.
+        wire: overrides ``config.wire``; prototype: ``"int2"`` (values in {-1, 0, 1} times the block's max).
+        scope: ``"row"`` (the core: ``k`` per row) or ``"global"`` (prototype: one top-k of the
+            replicated score over every coordinate, as many entries as the per-row mask).
+        vector_density: prototype: 1-D parameters (biases, norm gains) at this density (or the
+            step's, if denser); the other rows at the step's.
+        buckets: DDP's buckets as parameter names (``None``: one bucket); an encoded wire
+            exchanges each on its own, as the hook does.
     """
 
     def __init__(
@@ -93,6 +104,10 @@ class SimulatedScape:
         weight_decay: float = 0.0,
         send: str = "gradient",
         score: str | None = None,
+        wire: str | None = None,
+        scope: str = "row",
+        vector_density: float | None = None,
+        buckets: list[tuple[str, ...]] | None = None,
     ) -> None:
         if send not in ("gradient", "momentum"):
             raise ValueError(f"send must be 'gradient' or 'momentum', got {send!r}")
@@ -103,6 +118,11 @@ class SimulatedScape:
         self.hp = dict(lr=lr, beta1=betas[0], beta2=betas[1], eps=eps, weight_decay=weight_decay)
         self.send = send
         self.score = score or config.resolved_score
+        if scope not in ("row", "global"):
+            raise ValueError(f"scope must be 'row' or 'global', got {scope!r}")
+        self.wire = wire or config.resolved_wire  # prototype: "int2", which the core does not ship
+        self.scope, self.vector_density = scope, vector_density
+        self.buckets = buckets  # DDP's buckets (parameter names): an encoded wire exchanges each on its own
         self.rule = UPDATE_RULES[config.update]
         self.layout = FlatLayout(self.params, config.chunk_size)
         self.numel = sum(self.layout.numel.values())
@@ -119,6 +139,12 @@ class SimulatedScape:
         for name in self.params:
             self.layout.view(self.real, name).fill_(True)
         self.real = self.real.view(-1)
+        vector = torch.zeros(self.layout.rows, dtype=torch.bool)  # rows of 1-D parameters (prototype)
+        for name, p in self.params.items():
+            if p.dim() == 1:
+                first = self.layout.first_row[name]
+                vector[first:first + self.layout.nrows[name]] = True
+        self.vector_rows = vector
 
     def _flat(self, per_name: dict[str, Tensor], lead: tuple[int, ...] = ()) -> Tensor:
         out = torch.zeros(*lead, self.layout.rows * self.layout.chunk)
@@ -167,7 +193,24 @@ class SimulatedScape:
             self.counters.bytes_sent += payload
             self.masks[target] = Mask(shape.density, torch.cat(parts))
             return
-        self.masks[target] = Mask(shape.density, select(self._replicated_score(target), layout, shape, scheduled))
+        score = self._replicated_score(target)
+        if self.scope == "row" and self.vector_density is None:
+            self.masks[target] = Mask(shape.density, select(score, layout, shape, scheduled))
+            return
+        # prototypes: entries chosen outside the per-row shape (the mask keeps only its flat entries)
+        flat = score.view(-1)
+        if scheduled is not None:
+            flat.index_fill_(0, scheduled.flat(layout), EXCLUDED)
+        if self.scope == "global":  # one top-k over every coordinate, as many entries as the per-row mask
+            picked = flat.masked_fill(~self.real, PADDING).topk(shape.entries).indices
+        else:
+            picked = Mask(shape.density, select(score.clone(), layout, shape)).flat(layout)
+        if self.vector_density is not None:  # 1-D parameters at their own density
+            vshape = layout.mask_shape(max(self.vector_density, shape.density))
+            vec = Mask(vshape.density, select(score.clone(), layout, vshape)).flat(layout)
+            on_vector = lambda e: self.vector_rows[torch.div(e, layout.chunk, rounding_mode="floor")]  # noqa: E731
+            picked = torch.cat([picked[~on_vector(picked)], vec[on_vector(vec)]])
+        self.masks[target] = Mask(shape.density, torch.empty(0, dtype=torch.int16), _flat=picked.sort().values)
 
     def _replicated_score(self, target: int) -> Tensor:
         m = self.m
@@ -217,17 +260,47 @@ class SimulatedScape:
         mask = self.current_mask()
         entries = mask.flat(self.layout)
         a = self.residual + g if self.config.error_feedback else g
-        s = (a[:, entries] / W).sum(0)
+        if self.wire == "native":
+            s, kept = (a[:, entries] / W).sum(0), 0.0
+            nbytes = entries.numel() * VALUE_BYTES
+        else:
+            parts = self._bucket_entries(mask, entries)
+            done = [self._exchange(a[:, e]) for e in parts]
+            entries = torch.cat(parts)
+            s, kept = torch.cat([d[0] for d in done]), torch.cat([d[1] for d in done], dim=1)
+            nbytes = sum(d[2] for d in done)
         if self.config.error_feedback:
-            a[:, entries] = 0.0
+            a[:, entries] = kept
             self.residual = a
         if self.send == "momentum":
             self.local_momentum[:, entries] = 0.0
         self.sync_counts[entries] += 1
         self.counters.values_sent += entries.numel()
-        self.counters.bytes_sent += entries.numel() * VALUE_BYTES
+        self.counters.bytes_sent += nbytes
         self._apply(s, entries)
         self._end_step()
+
+    def _bucket_entries(self, mask: Mask, entries: Tensor) -> list[Tensor]:
+        """Each bucket's entries, in the order the hook puts them in its compact buffer."""
+        if self.buckets is None or not mask.cols.numel():  # one bucket (a prototype mask: always)
+            return [entries]
+        shape = self.layout.mask_shape(mask.density)
+        return [torch.cat([entries[lo:hi] for lo, hi in shape.ranges(tuple(names))]) for names in self.buckets]
+
+    def _exchange(self, sent: Tensor) -> tuple[Tensor, Tensor, int]:
+        """The two-stage low-precision exchange of ``scape_core.wire`` on every rank's ``(W, E)`` values:
+        the mean every rank applies, what each rank keeps in its residual, and the bytes one rank sends."""
+        W, E = sent.shape
+        plan = wires.WirePlan(self.wire, E, W, self.config.wire_block)
+        x = wires.pad(plan, sent)  # (sender, owner, segment)
+        data = wires.encode(plan, x)
+        decoded = wires.decode(plan, data)
+        kept = (x - decoded).flatten(-2)[:, :E]
+        mean = decoded.sum(0).div_(W)  # (owner, segment): owner j sums the senders' copies of segment j in order
+        applied = wires.decode(plan, wires.encode(plan, mean))
+        owner = torch.arange(E) // plan.segment  # rank j keeps W times its segment's second rounding
+        kept[owner, torch.arange(E)] += ((mean - applied) * W).flatten()[:E]
+        return applied.flatten()[:E], kept, plan.nbytes
 
     def _apply(self, s: Tensor, entries: Tensor) -> None:
         """``ScapeAdamS``'s sparse step: the rule on the entries, decay everywhere, the update on the mask."""

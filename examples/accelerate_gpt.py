@@ -48,12 +48,12 @@ def main(argv: list[str] | None = None) -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_decay(args.max_steps * accelerator.num_processes))
 
     # --- SCAPE: the plugin prepares everything and turns AdamW into ScapeAdamS ---
-    given = dict(sparsity=args.sparsity, warmup_steps=args.warmup_steps, ramp_steps=args.ramp_steps)
+    given = dict(sparsity=args.sparsity, warmup_steps=args.warmup_steps, ramp_steps=args.ramp_steps, wire=args.wire)
     scape = ScapePlugin(**{k: v for k, v in given.items() if v is not None})
     model, optimizer, train, val, scheduler = scape.prepare(accelerator, model, optimizer, train, val, scheduler)
     # ---------------------------------------------------------------------------
-    args.sparsity, args.warmup_steps, args.ramp_steps = (scape.config.sparsity, scape.config.warmup_steps,
-                                                         scape.config.ramp_steps)  # as resolved
+    args.sparsity, args.warmup_steps, args.ramp_steps, args.wire = (
+        scape.config.sparsity, scape.config.warmup_steps, scape.config.ramp_steps, scape.config.wire)  # as resolved
 
     if not scape.active:
         accelerator.print("one process: SCAPE has nothing to communicate. Launch several, e.g. "

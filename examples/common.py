@@ -34,6 +34,9 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset
 
+from scape_core import ScapeConfig
+from scape_core.config import WIRES
+
 SCRATCH = "scratch"
 SMOLLM2 = "smollm2-135m"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -202,6 +205,9 @@ def add_training_args(p: argparse.ArgumentParser, out: str) -> None:
                                                 "(default: tiny Shakespeare)")
     p.add_argument("--sparsity", type=float, default=0.99, help="fraction of gradient values NOT sent")
     p.add_argument("--warmup-steps", type=int, default=30, help="dense steps before sparse communication")
+    p.add_argument("--wire", default=None, choices=WIRES,
+                   help="how sparse steps send values: auto (the default: int4 from sparsity 0.97 up, int8 from "
+                        "0.95, native below), native, bfloat16, int8, int4 (same bytes, more coordinates)")
     p.add_argument("--ramp-steps", type=int, default=90,
                    help="steps after the warm-up with denser masks (25%%, 6.25%%, 1.6%% density), 0 for none")
     p.add_argument("--max-steps", type=int, default=300, help="optimizer steps")
@@ -230,6 +236,11 @@ def check_training_args(p: argparse.ArgumentParser, args: argparse.Namespace) ->
         p.error(f"--ramp-steps must be >= 0, got {args.ramp_steps}")
     if args.sparsity is not None and not 0.0 <= args.sparsity < 1.0:
         p.error(f"--sparsity must be in [0, 1), got {args.sparsity}")
+    if args.sparsity is not None and args.wire is not None:
+        try:
+            ScapeConfig(sparsity=args.sparsity, wire=args.wire)
+        except ValueError as e:
+            p.error(f"--sparsity {args.sparsity} --wire {args.wire}: {e}")
     if args.lr is None:
         args.lr = DEFAULT_LR.get(args.model, FINETUNE_LR)
     elif args.lr <= 0:
@@ -351,7 +362,9 @@ def describe_scape(args: argparse.Namespace) -> str:
     if not args.sparsity:
         return "sparsity 0 (dense DDP + AdamS)"
     ramp = f" and a {args.ramp_steps}-step ramp" if args.ramp_steps else ""
-    return f"sparsity {args.sparsity} after {plural(args.warmup_steps, 'dense warm-up step')}{ramp}"
+    wire = ScapeConfig(sparsity=args.sparsity, wire=args.wire or "auto").resolved_wire
+    values = "" if wire == "native" else f" ({wire} values)"
+    return f"sparsity {args.sparsity}{values} after {plural(args.warmup_steps, 'dense warm-up step')}{ramp}"
 
 
 def report(args: argparse.Namespace, *, how: str, model: nn.Module, source: str, world_size: int, device: str,

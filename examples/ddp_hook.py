@@ -47,7 +47,8 @@ def main(argv: list[str] | None = None) -> None:
     ddp = DistributedDataParallel(model.to(device), device_ids=[local_rank] if cuda else None,
                                   gradient_as_bucket_view=True)  # SCAPE reads and writes the buckets
     # --- SCAPE: a state, the hook, and the optimizer that pairs with it ---
-    state = ScapeState(ddp, sparsity=args.sparsity, warmup_steps=args.warmup_steps, ramp_steps=args.ramp_steps)
+    state = ScapeState(ddp, sparsity=args.sparsity, warmup_steps=args.warmup_steps, ramp_steps=args.ramp_steps,
+                       wire=args.wire or "auto")
     ddp.register_comm_hook(state, scape_hook)
     opt = ScapeAdamS(ddp.parameters(), state, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     # ----------------------------------------------------------------------

@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> dict:
     trainer = pl.Trainer(
         accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes,
         strategy=lightning_scape.ScapeStrategy(sparsity=args.sparsity, warmup_steps=args.warmup_steps,
-                                                ramp_steps=args.ramp_steps),
+                                                ramp_steps=args.ramp_steps, wire=args.wire or "auto"),
         max_steps=args.max_steps, max_epochs=math.ceil(args.max_steps / max(steps_per_epoch, 1)),
         val_check_interval=args.val_every, check_val_every_n_epoch=None,
         limit_val_batches=args.val_batches, num_sanity_val_steps=0, callbacks=[recorder, ProgressBar()],

@@ -12,6 +12,11 @@ from scape_core.layout import MAX_CHUNK
 from scape_core.schedule import MaskSchedule
 
 SCORES = ("auto", "momentum_residual", "momentum", "age_momentum")
+WIRES = ("auto", "native", "bfloat16", "int8", "int4")
+WIRE_BITS = {"bfloat16": 16, "int8": 8, "int4": 4}
+# wire="auto": the wire from each sparsity up, as measured at equal bytes (docs/benchmarks.md): int4 won at 1-3%
+# of dense bytes, int8 at 5%, both tied native at 7% and lost at 10%
+AUTO_WIRES = ((0.97, "int4"), (0.95, "int8"))
 
 
 @dataclass(frozen=True)
@@ -19,8 +24,10 @@ class ScapeConfig:
     """How SCAPE sparsifies gradient communication.
 
     Args:
-        sparsity: fraction of every parameter's coordinates NOT exchanged on a sparse step,
-            in ``[0, 1)``. ``0`` is dense DDP + AdamS; ``0.99`` sends about 1% of the values.
+        sparsity: the share of a dense fp32 all-reduce's bytes a sparse step does NOT send, in
+            ``[0, 1)``. ``0`` is dense DDP + AdamS; ``0.99`` sends about 1% of the bytes. With
+            native values that is the share of coordinates not exchanged (density ``1 - sparsity``);
+            an encoded wire spends the same bytes on more coordinates (see ``wire``, :attr:`density`).
         warmup_steps: the first optimizer steps are dense (full all-reduce, dense AdamS); they
             fill the momentum the first mask is scored from.
         mask_delay: ``1`` (default) uses the mask selected after step ``t`` at step ``t + 2``,
@@ -47,6 +54,17 @@ class ScapeConfig:
             optimizer): per parameter ``4 + 12 / W`` bytes of state instead of 16, for more
             bytes per step (each owner's updates and its masks are all-gathered). Same masks
             and bit-identical parameters as the replicated mode.
+        wire: how a sparse step's values travel. ``"native"``: in the gradients' dtype, one
+            all-reduce. ``"bfloat16"``, ``"int8"``, ``"int4"``: 16, 8 or 4 bits per value (the
+            integer ones with one fp32 scale per block of ``wire_block`` values), reduced in two
+            stages (all-to-all, fp32 sum by the segment's owner, all-gather); each rank keeps its
+            rounding in its residual (:mod:`scape_core.wire`); the mask takes ``32 / bits`` times
+            the coordinates, so the bytes stay ``1 - sparsity``. ``"auto"`` (default): ``"int4"``
+            at ``sparsity >= 0.97``, ``"int8"`` from 0.95, where each measured best at equal bytes
+            (99%: +11% -> about -1% val loss against dense AdamS), ``"native"`` below, where they lost,
+            and ``"native"`` with ``shard_optimizer`` (its masks and updates are all-gathered per
+            coordinate, so more coordinates cost more than the values saved).
+        wire_block: values per scale of an integer wire (at most; blocks split a segment evenly).
 
     Example:
         >>> ScapeConfig(sparsity=0.9, warmup_steps=20).density
@@ -65,6 +83,8 @@ class ScapeConfig:
     ramp_steps: int = 150
     chunk_size: int = 4096
     shard_optimizer: bool = False
+    wire: str = "auto"
+    wire_block: int = 128
 
     def __post_init__(self) -> None:
         from scape_core.update_rules import UPDATE_RULES  # late: rules import this module
@@ -83,6 +103,12 @@ class ScapeConfig:
             raise ValueError(f"sparsity must be in [0, 1), got {self.sparsity!r}")
         if self.chunk_size > MAX_CHUNK:
             raise ValueError(f"chunk_size must be <= {MAX_CHUNK} (columns are int16), got {self.chunk_size!r}")
+        if self.wire not in WIRES:
+            raise ValueError(f"wire must be one of {WIRES}, got {self.wire!r}")
+        object.__setattr__(self, "wire_block", _check_int("wire_block", self.wire_block, minimum=8))
+        if not self.dense and self.resolved_wire != "native" and self._coordinates() >= 1.0:
+            raise ValueError(f"sparsity={self.sparsity} on the {self.resolved_wire} wire would exchange every "
+                             f"coordinate: use sparsity > {1 - self._bits() / 32:.3f} (or wire='native')")
         if self.mask_delay not in (0, 1):
             raise ValueError(f"mask_delay must be 0 or 1, got {self.mask_delay!r}")
         for name in ("error_feedback", "shard_optimizer"):
@@ -121,20 +147,52 @@ class ScapeConfig:
         return UPDATE_RULES[self.update].default_score
 
     @property
+    def resolved_wire(self) -> str:
+        """The wire in use (``"auto"`` resolved for the sparsity; native when the optimizer is sharded).
+
+        Example:
+            >>> [ScapeConfig(sparsity=s).resolved_wire for s in (0.99, 0.96, 0.9)]
+            ['int4', 'int8', 'native']
+            >>> ScapeConfig(sparsity=0.99, shard_optimizer=True).resolved_wire
+            'native'
+        """
+        if self.wire != "auto":
+            return self.wire
+        if self.shard_optimizer:  # masks and updates are all-gathered per coordinate: more of them cost more
+            return "native"
+        return next((wire for least, wire in AUTO_WIRES if float(self.sparsity) >= least), "native")
+
+    @property
     def schedule(self) -> MaskSchedule:
-        """The mask schedule these settings describe."""
-        return MaskSchedule(self.sparsity, self.warmup_steps, self.ramp_steps, self.mask_delay, self.mask_refresh)
+        """The mask schedule these settings describe (its sparsity: the coordinates')."""
+        sparsity = self.sparsity if self.resolved_wire == "native" else 1.0 - self.density
+        return MaskSchedule(sparsity, self.warmup_steps, self.ramp_steps, self.mask_delay, self.mask_refresh)
 
     @property
     def density(self) -> float:
-        """Fraction of coordinates exchanged on a sparse step (``1 - sparsity``)."""
-        return 1.0 - float(self.sparsity)
+        """Fraction of coordinates exchanged on a sparse step: ``1 - sparsity`` with native values,
+        ``(1 - sparsity) * 32 / bits`` on an encoded wire (``bits`` per value, its scale's share included).
+
+        Example:
+            >>> round(ScapeConfig(sparsity=0.99, wire="int4").density, 4)  # 4 bits + 32 per 128 values
+            0.0753
+        """
+        if self.resolved_wire == "native":
+            return 1.0 - float(self.sparsity)
+        return self._coordinates()
+
+    def _bits(self) -> float:
+        wire = self.resolved_wire
+        return WIRE_BITS[wire] + (32 / self.wire_block if wire != "bfloat16" else 0.0)
+
+    def _coordinates(self) -> float:
+        return (1.0 - float(self.sparsity)) * 32 / self._bits()
 
     def density_at(self, step: int) -> float:
         """Density of the mask used at ``step`` (the ramp's stage, or ``density`` after it).
 
         Example:
-            >>> ScapeConfig(sparsity=0.99, warmup_steps=10, ramp_steps=30).density_at(25)
+            >>> ScapeConfig(sparsity=0.99, warmup_steps=10, ramp_steps=30, wire="native").density_at(25)
             0.0625
         """
         return self.schedule.density_at(step)
@@ -144,8 +202,10 @@ class ScapeConfig:
         """The first step at the target density (after the warm-up and the ramp's stages).
 
         Example:
-            >>> ScapeConfig(sparsity=0.99, warmup_steps=10, ramp_steps=30).target_step
+            >>> ScapeConfig(sparsity=0.99, warmup_steps=10, ramp_steps=30, wire="native").target_step
             40
+            >>> ScapeConfig(sparsity=0.99, warmup_steps=10, ramp_steps=30).target_step  # int4: 7.5%, one stage denser
+            20
             >>> ScapeConfig(sparsity=0.5, warmup_steps=10, ramp_steps=30).target_step  # no stage denser than 50%
             10
         """

@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from scape_core import inflight
+from scape_core import inflight, wire
 from scape_core.masks import Mask
 from scape_core.state import ScapeState
 
@@ -64,10 +64,12 @@ class _Exchange:
     total: int  # entries of the whole mask
     finite: Tensor  # this rank's gradients in the bucket are finite (0-dim bool)
     kept: Tensor | None  # a low-precision wire's rounding of what was sent, else None (nothing kept)
+    plan: wire.WirePlan | None = None  # an encoded wire's shape (None: native values, one all-reduce)
 
 
 def compact(state: ScapeState, p: BucketPlan, mask: Mask, buffer: Tensor) -> tuple[Tensor, _Exchange]:
-    """The one buffer this rank sends on a sparse step: ``a_r[M] / W`` with ``a_r = g_r + e_r``.
+    """The one buffer this rank sends on a sparse step: ``a_r[M] / W`` with ``a_r = g_r + e_r``
+    (an encoded wire: ``a_r[M]`` encoded, ``(W, row_bytes)`` uint8, one segment per owner).
 
     Fixed shape (the mask's entries of this bucket), gathered with two ``index_select`` on flat
     buffers. A rank whose gradients are not finite sends NaN, so every rank skips the step.
@@ -83,10 +85,16 @@ def compact(state: ScapeState, p: BucketPlan, mask: Mask, buffer: Tensor) -> tup
     picked = buffer.index_select(0, positions).float()
     if state.residual_buffer is not None:
         picked += state.residual_buffer.view(-1).index_select(0, entries)
+    state.record_exchange(buffer, positions, spans)
+    if state.config.resolved_wire != "native":
+        plan = state.wire_plan(entries.numel())
+        x = wire.pad(plan, picked.masked_fill_(~finite, float("nan")))  # (W, segment): one segment per owner
+        send = wire.encode(plan, x)
+        kept = x.sub_(wire.decode(plan, send)).view(-1)[:plan.entries]  # this rank's rounding stays here
+        return send, _Exchange(entries, positions, spans, shape.entries, finite, kept, plan)
     send = picked.to(buffer.dtype, copy=True)
     kept = picked.sub_(send.float()) if buffer.dtype != torch.float32 else None  # the wire's rounding stays here
     send.div_(state.world_size).masked_fill_(~finite, float("nan"))
-    state.record_exchange(buffer, positions, spans)
     return send, _Exchange(entries, positions, spans, shape.entries, finite, kept)
 
 
@@ -105,7 +113,7 @@ def finish_sparse(state: ScapeState, p: BucketPlan, x: _Exchange, buffer: Tensor
         flat.index_copy_(0, x.entries, torch.where(ok, 0.0 if x.kept is None else x.kept, flat.index_select(0, x.entries)))
     mean = torch.where(ok, reduced, 0.0)
     buffer.zero_()
-    buffer.index_copy_(0, x.positions, mean)
+    buffer.index_copy_(0, x.positions, mean.to(buffer.dtype))
     values = state.step_values(x.total)
     offset = 0
     for lo, hi in x.spans:
@@ -127,7 +135,9 @@ def scape_hook(state: ScapeState, bucket: dist.GradBucket) -> torch.futures.Futu
     coordinates of the step's mask (the same on every rank) into one compact buffer, and
     all-reduces that buffer alone (values, no indices). The bucket comes back holding the mean
     on the mask and zeros elsewhere; the unsent rest stays in this rank's residual. Warm-up
-    steps (and ``sparsity=0``) are plain averaging all-reduces. Needs :class:`ScapeAdamS`.
+    steps (and ``sparsity=0``) are plain averaging all-reduces. With an encoded ``wire``
+    (``ScapeConfig.wire``) the compact buffer travels in 16, 8 or 4 bits per value through an
+    all-to-all and an all-gather instead (:func:`exchange_encoded`). Needs :class:`ScapeAdamS`.
 
     Example::
 
@@ -149,7 +159,35 @@ def scape_hook(state: ScapeState, bucket: dist.GradBucket) -> torch.futures.Futu
         state.start_sparse()
         p = plan(state, bucket)
     send, exchange = compact(state, p, mask, buffer)
+    if exchange.plan is not None:
+        return exchange_encoded(state, p, exchange, buffer, send)
     state.count(send.numel(), send.numel() * send.element_size(), dense_bytes)
     work = inflight.hold(dist.all_reduce(send, group=state.process_group, async_op=True))
     fut = work.get_future()  # its callback runs on gloo's thread: exit waits for the work (see inflight)
     return fut.then(lambda f: finish_sparse(state, p, exchange, buffer, f.value()[0]))
+
+
+def exchange_encoded(state: ScapeState, p: BucketPlan, x: _Exchange, buffer: Tensor,
+                     send: Tensor) -> torch.futures.Future[Tensor]:
+    """The two stages of an encoded wire (:mod:`scape_core.wire`): all-to-all the segments, the owner
+    sums its segment in fp32 and encodes the mean, all-gather the means.
+
+    The second stage needs the first's result, so it is issued here, on the hook's thread, after
+    waiting for the first: with NCCL that wait is a stream dependency (the host does not block);
+    with gloo it blocks the backward until the all-to-all is done. Issuing it from the first
+    stage's callback instead would let ranks order their collectives differently.
+    """
+    plan, group = x.plan, state.process_group
+    state.count(plan.entries, plan.nbytes, buffer.numel() * buffer.element_size())
+    received = torch.empty_like(send)
+    inflight.hold(dist.all_to_all_single(received, send, group=group, async_op=True)).wait()
+    mean = wire.owner_mean(plan, received)  # this rank's segment
+    own = wire.encode(plan, mean)
+    lo = state.rank * plan.segment  # the owner keeps W times its encoding's rounding: the mean residual holds it
+    hi = min(lo + plan.segment, plan.entries)
+    if hi > lo:
+        x.kept[lo:hi] += mean.sub_(wire.decode(plan, own))[:hi - lo].mul_(plan.world)
+    gathered = send.new_empty(send.numel())  # flat: gloo's all-gather wants it so
+    work = inflight.hold(dist.all_gather_into_tensor(gathered, own, group=group, async_op=True))
+    return work.get_future().then(lambda f: finish_sparse(
+        state, p, x, buffer, wire.decode(plan, gathered.view(send.shape)).view(-1)[:plan.entries]))

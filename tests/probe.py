@@ -12,7 +12,9 @@ Everything is returned per parameter name as flat fp32/int64 CPU tensors:
 - ``mask``: the sorted flat indices the step exchanges;
 - ``selection_groups``: how the core cuts the coordinates into top-k groups (which rank scores
   each group). This is structure, not arithmetic: the tests check the score and the top-k
-  inside each group independently.
+  inside each group independently;
+- ``wire_segments``: on an encoded wire, each bucket's compact buffer cut into owners' segments
+  and scale blocks (structure again: the tests check what each block may carry).
 
 With ``shard_optimizer=True`` each rank keeps m, sq and the windows of its block of rows only:
 ``snapshot`` gathers every rank's (a collective: call it on every rank), so the tests compare
@@ -84,6 +86,35 @@ def selection_groups(state: ScapeState, step: int) -> list[Group]:
             owner = None if state.config.replicated_score and not state.sharded else _owner(state, row)
             groups.append(Group(name, i * chunk, min(chunk, layout.numel[name] - i * chunk), owner))
     return groups
+
+
+@dataclass(frozen=True)
+class Compact:
+    """One bucket's compact buffer on an encoded wire: position ``i`` holds coordinate ``index[i]`` of
+    parameter ``names[i]``; ``owner[i]`` reduces it and ``block[i]`` (unique in the bucket) is its scale block."""
+
+    names: list[str]
+    index: Tensor
+    owner: Tensor
+    block: Tensor
+
+
+def wire_segments(state: ScapeState) -> list[Compact]:
+    """The compact buffers of the sparse step in progress (call between backward and ``opt.step()``)."""
+    layout, out = state.layout, []
+    flat = state.masks[state.step].flat(layout).cpu()
+    for _, _, spans in state._current.exchanges:
+        entries = torch.cat([flat[lo:hi] for lo, hi in spans])
+        plan = state.wire_plan(entries.numel())
+        rows = torch.div(entries, layout.chunk, rounding_mode="floor")
+        names, index = [], []
+        for e, row in zip(entries.tolist(), rows.tolist()):
+            name = next(n for n in state.params if layout.first_row[n] <= row < layout.first_row[n] + layout.nrows[n])
+            names.append(name)
+            index.append(e - layout.first_row[name] * layout.chunk)
+        pos = torch.arange(entries.numel())
+        out.append(Compact(names, torch.tensor(index), pos // plan.segment, pos // plan.block_len))
+    return out
 
 
 def _owner(state: ScapeState, row: int) -> int:

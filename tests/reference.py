@@ -114,12 +114,16 @@ def topk_violation(score: Tensor, picked: Tensor, k: int, excluded: Tensor | Non
 
 def step(before: list[dict], grads: list[dict[str, Tensor]], mask: dict[str, Tensor] | None, *, rule: str,
          lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-         error_feedback: bool = True, wire: torch.dtype | None = None) -> list[dict]:
+         error_feedback: bool = True, wire: torch.dtype | None = None,
+         exchanged: dict[str, Tensor] | None = None) -> list[dict]:
     """One SCAPE step of every rank; ``before[r]`` as ``tests.probe.snapshot`` returns it.
 
     ``wire``: the dtype values travel in (``None``: exact). Rank r sends ``a_r`` (``a_r[M]`` on
     a sparse step) rounded to it and keeps the rounding in its residual; the mean is the
-    rounded sum of the rounded ``sent_r / W``. Returns each rank's expected state after the step.
+    rounded sum of the rounded ``sent_r / W``. ``exchanged``: on a sparse step, the mean an
+    encoded wire delivered on the mask (checked against :func:`encoded_exchange`); each rank's
+    residual there is then ``a_r - s``, whose mean is what conservation requires (how the rounding
+    splits among ranks is the wire's). Returns each rank's expected state after the step.
     """
     world = len(before)
     t = before[0]["step"]
@@ -138,6 +142,9 @@ def step(before: list[dict], grads: list[dict[str, Tensor]], mask: dict[str, Ten
         idx = mask[name]
         sent = [a_r[idx] if wire is None else a_r[idx].to(wire).double() for a_r in a]
         s = sum(sent) / world if wire is None else _wire_mean(sent, wire)
+        if exchanged is not None:  # an encoded wire: the delivered mean is given, each rank keeps a_r - s
+            s = exchanged[name]
+            sent = [s] * world
         last = before[0]["last_sync"].get(name)
         last = torch.full_like(theta, t - 1, dtype=torch.int64) if last is None else last.clone()
         n = (t - last[idx]).double()
@@ -167,3 +174,36 @@ def _wire_mean(sent: list[Tensor], wire: torch.dtype) -> Tensor:
     """The all-reduced mean of values that travel in ``wire``: each ``sent_r / W`` rounded, then their sum."""
     total = sum(x.div(len(sent)).to(wire).double() for x in sent)
     return total.to(wire).double()
+
+
+QMAX = {"int8": 127, "int4": 7}  # integer wires: values round to qmax steps of max|x| / qmax per block
+
+
+def encoded_exchange(a: list[Tensor], owner: Tensor, block: Tensor, wire: str) -> tuple[Tensor, Tensor, Tensor]:
+    """What an encoded wire may deliver for one bucket's compact buffer (``scape_core/wire.py``'s contract).
+
+    ``a[r]``: rank r's ``a_r`` at the buffer's positions (float64); ``owner[i]``: the rank that
+    reduces position ``i``; ``block[i]``: its scale block. Rank r sends each value rounded to its
+    block's grid (step ``max|a_r| / qmax`` over the block; bf16: 8 significant bits), so within
+    half a step; the owner rounds the mean of what was sent to its block's grid again. Returns
+    the exact mean, the bound on ``|applied - mean|``, and per rank the bound on what it keeps
+    on the mask (its own rounding, plus ``W`` times the second rounding where it is the owner).
+    """
+    world = len(a)
+    x = torch.stack(a)  # (W, E)
+    mean = x.mean(0)
+    if wire == "bfloat16":
+        half1 = x.abs() * 2.0 ** -8
+    else:
+        peak = torch.zeros(world, int(block.max()) + 1, dtype=x.dtype).scatter_reduce(1, block.expand(world, -1),
+                                                                                     x.abs(), "amax")
+        half1 = peak[:, block] / QMAX[wire] / 2
+    off1 = half1.sum(0) / world  # how far the mean of what was sent may be from the mean
+    reach = mean.abs() + off1
+    if wire == "bfloat16":
+        half2 = reach * 2.0 ** -8
+    else:
+        top = torch.zeros(int(block.max()) + 1, dtype=x.dtype).scatter_reduce(0, block, reach, "amax")
+        half2 = top[block] / QMAX[wire] / 2
+    keep = half1 + world * half2 * (owner[None, :] == torch.arange(world)[:, None])
+    return mean, off1 + half2, keep

@@ -10,7 +10,8 @@ def test_parse_method():
 
 
 def test_tiny_run_and_report(tmp_path, capsys):
-    methods = ["adams", "scape99+update=linear+ramp=3+score=age_momentum", "topk99_eqbytes"]
+    methods = ["adams", "scape99+update=linear+ramp=3+score=age_momentum", "topk99_eqbytes",
+               "scape99+update=linear+ramp=3+score=age_momentum+wire=auto"]  # int4 at 99%
     main(["--methods", *methods, "--seeds", "0", "--steps", "8", "--world-size", "2", "--batch", "4",
           "--context", "16", "--width", "16", "--layers", "1", "--heads", "2", "--scape-warmup", "2",
           "--eval-every", "4", "--val-batches", "1", "--out", str(tmp_path)])
@@ -20,6 +21,8 @@ def test_tiny_run_and_report(tmp_path, capsys):
     scape = runs[methods[1]]
     assert scape["bytes_per_step"] < 0.5 * scape["dense_bytes_per_step"]  # 2 dense of 8 steps, then sparse
     assert runs["adams"]["bytes_per_step"] == runs["adams"]["dense_bytes_per_step"]
+    # the default wire at 99% (int4): no more bytes than fp32 (its ramp keeps only the 25% stage: fewer)
+    assert 0 < runs[methods[3]]["sparse_bytes_per_step"] <= scape["sparse_bytes_per_step"]
     main(["--report", "--out", str(tmp_path)])
     table = capsys.readouterr().out
     assert "| `adams` |" in table and "+0.0%" in table and methods[1] in table

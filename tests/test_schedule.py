@@ -13,7 +13,7 @@ def test_ramp_stages_then_the_target():
     assert MaskSchedule(sparsity=0.9, warmup_steps=10, ramp_steps=30).density_at(25) == pytest.approx(0.1)  # only
     # the stages denser than the target
     assert MaskSchedule(sparsity=0.99, warmup_steps=10, ramp_steps=0).densities() == (pytest.approx(0.01),)
-    assert ScapeConfig(sparsity=0.99, warmup_steps=10, ramp_steps=30).density_at(20) == 0.0625  # one density_at
+    assert ScapeConfig(sparsity=0.99, warmup_steps=10, ramp_steps=30, wire="native").density_at(20) == 0.0625
 
 
 @pytest.mark.parametrize("delay", [0, 1])
@@ -29,3 +29,22 @@ def test_which_step_selects_which_mask(delay):
 def test_sparsity_zero_is_dense_everywhere():
     s = MaskSchedule(sparsity=0.0)
     assert s.dense and all(s.is_dense(t) for t in (0, 50, 10_000)) and s.densities() == ()
+
+
+def test_an_encoded_wire_spends_the_same_bytes_on_more_coordinates():
+    native = ScapeConfig(sparsity=0.99, wire="native")
+    assert native.resolved_wire == "native" and native.density == pytest.approx(0.01)
+    auto = ScapeConfig(sparsity=0.99)  # the default wire: int4 from 97% up, native below
+    assert [ScapeConfig(sparsity=s).resolved_wire for s in (0.97, 0.96, 0.95, 0.94)] == ["int4", "int8", "int8", "native"]
+    assert auto.resolved_wire == "int4"
+    assert auto.density == pytest.approx(0.01 * 32 / (4 + 32 / 128))  # 4 bits a value, an fp32 scale per 128
+    assert ScapeConfig(sparsity=0.99, wire="int8", wire_block=64).density == pytest.approx(0.01 * 32 / 8.5)
+    assert ScapeConfig(sparsity=0.99, wire="bfloat16").density == pytest.approx(0.02)
+    assert auto.schedule.density == pytest.approx(auto.density) and auto.schedule.ramp_densities == (0.25,)
+    assert ScapeConfig(sparsity=0.0, wire="int4").dense  # dense steps are plain all-reduces whatever the wire
+    with pytest.raises(ValueError, match="every coordinate"):
+        ScapeConfig(sparsity=0.8, wire="int4")  # 20% of the bytes in 4 bits: more than every coordinate
+    with pytest.raises(ValueError, match="wire must be one of"):
+        ScapeConfig(wire="int3")
+    with pytest.raises(ValueError, match="wire_block"):
+        ScapeConfig(wire_block=4)

@@ -88,17 +88,22 @@ STEPS = 120  # the defaults: 50 dense steps, the ramp's 25% stage for 50 (90%: t
 def test_sharded_is_bit_identical_to_replicated_at_2_ranks_with_the_defaults():
     cases = {"defaults": ({}, {"bucket_cap_mb": 0.01}),
              # bf16 parameters: the dense steps' parameter all-gather travels in fp32, exactly
-             "bf16, chunk 64": (dict(warmup_steps=5, ramp_steps=15, chunk_size=64, dtype=torch.bfloat16), {})}
+             "bf16, chunk 64": (dict(warmup_steps=5, ramp_steps=15, chunk_size=64, dtype=torch.bfloat16), {}),
+             # an encoded wire, chosen explicitly ("auto" is native when sharded): the owners read its decoded sums
+             "int4 wire, 99%": (dict(sparsity=0.99, warmup_steps=5, ramp_steps=15, chunk_size=64, wire="int4"),
+                                {"bucket_cap_mb": 0.01})}
     results = run_distributed(_both_modes, STEPS, cases, world_size=2)
     assert _check_identical(results, "defaults", STEPS) == 70
     assert _check_identical(results, "bf16, chunk 64", STEPS) == STEPS - 5
+    assert _check_identical(results, "int4 wire, 99%", STEPS) == STEPS - 5
 
 
 def test_sharded_is_bit_identical_to_replicated_at_4_ranks():
     cases = {
         "defaults": ({}, {}),
         # 89 rows of 64: blocks cut parameters in two; 99%: 25%, 6.25%, 1.5625% for 20 steps each, then 1%
-        "99%, chunk 64": (dict(sparsity=0.99, warmup_steps=20, ramp_steps=60, chunk_size=64), {"bucket_cap_mb": 0.01}),
+        "99%, chunk 64": (dict(sparsity=0.99, warmup_steps=20, ramp_steps=60, chunk_size=64, wire="native"),
+                          {"bucket_cap_mb": 0.01}),
     }
     results = run_distributed(_both_modes, STEPS, cases, world_size=4)
     assert _check_identical(results, "defaults", STEPS) == 70
@@ -117,7 +122,7 @@ def full_state(state, opt) -> dict:
             "step": state.step}
 
 
-CONFIG = dict(sparsity=0.99, warmup_steps=5, ramp_steps=15, chunk_size=64)
+CONFIG = dict(sparsity=0.99, warmup_steps=5, ramp_steps=15, chunk_size=64, wire="native")
 
 
 def _save(rank, world, steps, sharded, path):
@@ -205,7 +210,8 @@ def _memory_and_bytes(rank, world):
 
     out = {}
     for sharded in (False, True):
-        model, ddp, state, opt = setup(sharded, sparsity=0.99, warmup_steps=2, ramp_steps=0, chunk_size=64)
+        model, ddp, state, opt = setup(sharded, sparsity=0.99, warmup_steps=2, ramp_steps=0, chunk_size=64,
+                                       wire="native")  # the same wire in both modes
         train(ddp, opt, rank, 4)
         before = dict(state.counters)
         train(ddp, opt, rank, 2, start=4)

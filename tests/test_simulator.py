@@ -13,12 +13,17 @@ STEPS = 20
 LR, WD = 1e-2, 0.1
 CONFIGS = {  # ramp_steps=0 runs at the named sparsity; "ramp" tests the ramp (6-step stages)
     "default": dict(sparsity=0.9, warmup_steps=3, ramp_steps=0),
-    "ramp": dict(sparsity=0.99, warmup_steps=3, ramp_steps=18),
+    "ramp": dict(sparsity=0.99, warmup_steps=3, ramp_steps=18, wire="native"),
     "delay0_momentum_refresh2": dict(sparsity=0.9, warmup_steps=3, mask_delay=0, score="momentum", mask_refresh=2,
                                      ramp_steps=0),
     "no_warmup": dict(sparsity=0.9, warmup_steps=0, ramp_steps=0),
-    "linear": dict(sparsity=0.99, warmup_steps=3, update="linear", ramp_steps=0),
+    "linear": dict(sparsity=0.99, warmup_steps=3, update="linear", ramp_steps=0, wire="native"),
     "catchup": dict(sparsity=0.9, warmup_steps=3, update="catchup", ramp_steps=0),
+    # encoded wires: every bucket's two-stage exchange, its rounding kept, its bytes (blocks of 16: several)
+    "bfloat16": dict(sparsity=0.9, warmup_steps=3, ramp_steps=0, wire="bfloat16"),
+    "int8": dict(sparsity=0.8, warmup_steps=3, ramp_steps=0, wire="int8", wire_block=16),
+    "int4_ramp": dict(sparsity=0.99, warmup_steps=3, ramp_steps=18, wire="int4", wire_block=16),
+    "auto99": dict(sparsity=0.99, warmup_steps=3, ramp_steps=0),  # the default wire: int4 from 97% up
 }
 
 
@@ -42,22 +47,33 @@ def _real(rank: int, world: int) -> dict:
         model = make_model()
         ddp = DDP(model, bucket_cap_mb=0.01)  # several buckets, as a real model would have
         state = ScapeState(ddp, config=ScapeConfig(**cfg))
-        ddp.register_comm_hook(state, scape_hook)
+        buckets = {}
+
+        def hook(state, bucket, buckets=buckets):  # the buckets of the last step, as the simulator takes them
+            buckets[bucket.index()] = tuple(state.names[id(p)] for p in bucket.parameters())
+            return scape_hook(state, bucket)
+
+        ddp.register_comm_hook(state, hook)
         opt = ScapeAdamS(ddp.parameters(), state, lr=LR, weight_decay=WD)
         for step in range(STEPS):
             loss_fn(ddp, *batch(step, rank)).backward()
             opt.step()
             opt.zero_grad()
-        out[name] = ([p.detach().clone() for p in model.parameters()], state.stats())
+        out[name] = ([p.detach().clone() for p in model.parameters()], state.stats(), list(buckets.values()))
     return out
 
 
-def _simulated(cfg: dict, world: int = 2) -> tuple[list[torch.Tensor], dict]:
-    model = make_model()
-    sim = SimulatedScape(model, world, ScapeConfig(**cfg), lr=LR, weight_decay=WD)
-    for step in range(STEPS):
-        grads, _ = rank_gradients(model, loss_fn, [batch(step, r) for r in range(world)])
-        sim.step(grads)
+def _simulated(cfg: dict, world: int = 2, buckets: list | None = None) -> tuple[list[torch.Tensor], dict]:
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the ranks (tests/dist.py): the same matmul sums, so the same last bits
+    try:
+        model = make_model()
+        sim = SimulatedScape(model, world, ScapeConfig(**cfg), lr=LR, weight_decay=WD, buckets=buckets)
+        for step in range(STEPS):
+            grads, _ = rank_gradients(model, loss_fn, [batch(step, r) for r in range(world)])
+            sim.step(grads)
+    finally:
+        torch.set_num_threads(threads)
     return [p.detach().clone() for p in model.parameters()], sim.counters.as_dict()
 
 
@@ -68,13 +84,17 @@ def real():
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_simulator_matches_real_hook(real, name):
-    params, stats = _simulated(CONFIGS[name])
+    params, stats = _simulated(CONFIGS[name], buckets=real[0][name][2])
+    assert len(real[0][name][2]) > 1  # several buckets
     for rank in (0, 1):
-        ref, ref_stats = real[rank][name]
+        ref, ref_stats, _ = real[rank][name]
         diff = max((p - q).abs().max().item() for p, q in zip(params, ref))
         # last-bit float differences (the rules see 1 ulp, about 1e-7 here) grow a little through
-        # catchup's replay; a wrong mask, window or formula moves parameters by 1e-3 or more
-        assert diff <= 2e-6, f"{name}: simulator and rank {rank} differ by {diff}"
+        # catchup's replay; a wrong mask, window or formula moves parameters by 1e-3 or more. An
+        # encoded wire's rounding would turn a last-bit difference into a different value sent: with
+        # one thread on both sides there is none, and the wires must match exactly
+        bound = 0.0 if ScapeConfig(**CONFIGS[name]).resolved_wire != "native" else 2e-6
+        assert diff <= bound, f"{name}: simulator and rank {rank} differ by {diff}"
         for key in ("steps", "values_sent", "bytes_sent", "mask_bytes", "dense_bytes"):
             assert stats[key] == ref_stats[key], (name, key, stats[key], ref_stats[key])
     start = [p.detach() for p in make_model().parameters()]

@@ -1,0 +1,151 @@
+"""Encoded wires: how a sparse step's compact buffer travels in fewer bits than the gradients have.
+
+On a sparse step every rank sends the same number of values (the mask's entries of a bucket,
+``E``). With ``ScapeConfig(wire="native")`` (default) they go out in the gradients' dtype, in
+one all-reduce. An encoded wire
+(``"bfloat16"``, ``"int8"``, ``"int4"``) cannot be summed in the collective without losing the
+sum (int8 overflows, bf16 rounds at every hop), so it is reduced in two stages, as ZeRO++'s qgZ:
+
+1. Each rank encodes its ``E`` values (padded to ``W`` equal *segments*) and sends segment ``j``
+   to rank ``j`` (one all-to-all). It keeps what the encoding rounded away in its residual.
+2. Rank ``j`` decodes the ``W`` copies of its segment, sums them in fp32 (ranks in order) and
+   divides by ``W``: the mean. It encodes the mean and all-gathers it; every rank decodes the
+   same bytes, so every rank applies the same values. The owner keeps ``W`` times what this
+   second encoding rounded away in its residual, so the mean residual holds it: conservation
+   (applied + mean residual = sum of mean gradients) stays exact up to fp32 rounding.
+
+The two stages move as many bytes as one all-reduce of the encoded buffer (a ring all-reduce is
+a reduce-scatter plus an all-gather), so bytes are counted as that buffer's size.
+
+Integer wires scale each *block* of at most ``block`` values (inside a segment) by its largest
+magnitude: ``q = round(x / scale)`` with ``scale = max|x| / qmax`` (127 for int8, 7 for int4,
+two int4 values per byte), one fp32 scale per block, sent beside the values. A non-finite value
+makes its block's scale NaN, so a rank with a non-finite gradient still poisons the step.
+
+Example:
+    >>> plan = WirePlan("int8", entries=10, world=2, block=4)
+    >>> plan.segment, plan.blocks, plan.row_bytes, plan.nbytes  # 2 segments of 6 values, 2 blocks each
+    (6, 2, 14, 28)
+    >>> x = torch.tensor([[1.0, -2.0, 0.5, 0.0, 3.0, 0.25]])
+    >>> decode(plan, encode(plan, x))  # blocks [1, -2, 0.5] and [0, 3, 0.25]: 127 steps of max/127
+    tensor([[ 1.0079, -2.0000,  0.5039,  0.0000,  3.0000,  0.2598]])
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+WIRES = ("bfloat16", "int8", "int4", "int2")  # int2: a benchmark prototype, not a ScapeConfig choice
+_BITS = {"bfloat16": 16, "int8": 8, "int4": 4, "int2": 2}
+_QMAX = {"int8": 127, "int4": 7, "int2": 1}
+
+
+@dataclass(frozen=True)
+class WirePlan:
+    """The fixed shape of one compact buffer of ``entries`` values on ``world`` ranks in ``wire``.
+
+    ``segment`` values per rank (``world * segment >= entries``, the rest zero padding), cut into
+    ``blocks`` blocks of ``block_len`` values, one fp32 scale each (integer wires). One rank's
+    encoded segment is ``row_bytes`` bytes; the whole buffer ``nbytes = world * row_bytes``.
+    """
+
+    wire: str
+    entries: int
+    world: int
+    block: int = 128
+    segment: int = field(init=False)
+    blocks: int = field(init=False)
+    block_len: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        if self.wire not in WIRES:
+            raise ValueError(f"wire must be one of {WIRES}, got {self.wire!r}")
+        per_rank = max(1, -(-self.entries // self.world))
+        blocks = -(-per_rank // self.block) if self.scaled else 1
+        block_len = -(-per_rank // blocks)
+        per_byte = max(1, 8 // _BITS[self.wire])
+        block_len = -(-block_len // per_byte) * per_byte  # whole bytes
+        object.__setattr__(self, "blocks", blocks)
+        object.__setattr__(self, "block_len", block_len)
+        object.__setattr__(self, "segment", blocks * block_len)
+
+    @property
+    def scaled(self) -> bool:
+        """Whether values travel as integers with per-block scales."""
+        return self.wire in _QMAX
+
+    @property
+    def value_bytes(self) -> int:
+        """Bytes of one segment's values."""
+        return self.segment * _BITS[self.wire] // 8
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one encoded segment: values, then the scales (fp32)."""
+        return self.value_bytes + (4 * self.blocks if self.scaled else 0)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole encoded buffer (what one rank contributes, as to an all-reduce)."""
+        return self.world * self.row_bytes
+
+
+def wire_bytes(wire: str, entries: int, world: int, block: int = 128) -> int:
+    """Bytes one rank sends for ``entries`` values in ``wire`` (``"native"``: fp32, ``4 * entries``).
+
+    Example:
+        >>> wire_bytes("native", 1000, 8), wire_bytes("bfloat16", 1000, 8), wire_bytes("int8", 1000, 8)
+        (4000, 2000, 1032)
+    """
+    if wire == "native":
+        return 4 * entries
+    return WirePlan(wire, entries, world, block).nbytes
+
+
+def encode(plan: WirePlan, x: Tensor) -> Tensor:
+    """Segments ``x`` (``(..., segment)`` fp32) as bytes ``(..., row_bytes)`` uint8."""
+    if plan.wire == "bfloat16":
+        return x.to(torch.bfloat16).view(torch.uint8)
+    qmax = _QMAX[plan.wire]
+    blocks = x.unflatten(-1, (plan.blocks, plan.block_len))
+    scale = blocks.abs().amax(-1, keepdim=True).div_(qmax)  # NaN if the block holds one
+    q = blocks.div(torch.where(scale > 0, scale, 1.0)).round_().clamp_(-qmax, qmax).nan_to_num_(0.0)
+    q = q.flatten(-2).to(torch.int8)
+    if plan.wire == "int8":
+        values = q.view(torch.uint8)
+    else:  # several values per byte, offset to 0..2 qmax
+        bits = _BITS[plan.wire]
+        u = q.add_(qmax).to(torch.uint8)
+        values = u[..., 0::8 // bits].clone()
+        for i in range(1, 8 // bits):
+            values.bitwise_or_(u[..., i::8 // bits].bitwise_left_shift(bits * i))
+    return torch.cat([values, scale.squeeze(-1).contiguous().view(torch.uint8)], dim=-1)
+
+
+def decode(plan: WirePlan, data: Tensor) -> Tensor:
+    """The fp32 values ``(..., segment)`` of encoded segments ``(..., row_bytes)``."""
+    if plan.wire == "bfloat16":
+        return data.view(torch.bfloat16).float()
+    values, scale = data[..., :plan.value_bytes], data[..., plan.value_bytes:].clone(memory_format=torch.contiguous_format).view(torch.float32)
+    if plan.wire == "int8":
+        q = values.view(torch.int8).float()
+    else:
+        bits = _BITS[plan.wire]
+        parts = [values.bitwise_right_shift(bits * i).bitwise_and_((1 << bits) - 1) for i in range(8 // bits)]
+        q = torch.stack(parts, dim=-1).flatten(-2).float().sub_(_QMAX[plan.wire])
+    return q.unflatten(-1, (plan.blocks, plan.block_len)).mul_(scale.unsqueeze(-1)).flatten(-2)
+
+
+def pad(plan: WirePlan, x: Tensor) -> Tensor:
+    """``x`` (``(..., entries)``) zero-padded and cut into segments: ``(..., world, segment)``."""
+    out = x.new_zeros(*x.shape[:-1], plan.world * plan.segment)
+    out[..., :plan.entries] = x
+    return out.unflatten(-1, (plan.world, plan.segment))
+
+
+def owner_mean(plan: WirePlan, received: Tensor) -> Tensor:
+    """The owner's mean of its segment from every rank's encoded copy (``(world, row_bytes)``), ranks in order."""
+    return decode(plan, received).sum(0).div_(plan.world)
