@@ -203,7 +203,7 @@ def add_training_args(p: argparse.ArgumentParser, out: str) -> None:
                         "or a Hugging Face hub name (online)")
     p.add_argument("--data", default=None, help="a UTF-8 text file to train on, its last 10%% validates "
                                                 "(default: tiny Shakespeare)")
-    p.add_argument("--sparsity", type=float, default=0.99, help="fraction of gradient values NOT sent")
+    p.add_argument("--sparsity", type=float, default=0.99, help="share of dense DDP's bytes NOT sent on a sparse step")
     p.add_argument("--warmup-steps", type=int, default=30, help="dense steps before sparse communication")
     p.add_argument("--wire", default=None, choices=WIRES,
                    help="how sparse steps send values: auto (the default: int4 from sparsity 0.97 up, int8 from "

@@ -1,8 +1,8 @@
 """Encoded wires: how a sparse step's compact buffer travels in fewer bits than the gradients have.
 
 On a sparse step every rank sends the same number of values (the mask's entries of a bucket,
-``E``). With ``ScapeConfig(wire="native")`` (default) they go out in the gradients' dtype, in
-one all-reduce. An encoded wire
+``E``). On the native wire (``ScapeConfig(wire="native")``, which the default ``"auto"`` picks
+below 95% sparsity) they go out in the gradients' dtype, in one all-reduce. An encoded wire
 (``"bfloat16"``, ``"int8"``, ``"int4"``) cannot be summed in the collective without losing the
 sum (int8 overflows, bf16 rounds at every hop), so it is reduced in two stages, as ZeRO++'s qgZ:
 
