@@ -102,8 +102,10 @@ def build(name: str, base: torch.nn.Module, warmup: int, mask_refresh: int) -> t
     if name == "DDP + AdamS":
         ddp.register_comm_hook(None, default_hooks.allreduce_hook)
         return ddp, AdamS(ddp.parameters(), **hp)
-    state = ScapeState(ddp, sparsity=float(name.split()[1].rstrip("%")) / 100, mask_refresh=mask_refresh,
-                       **scape_fields(warmup))
+    fields = scape_fields(warmup)
+    if name.endswith(" fp32"):  # the native wire (the default at 99% is int4 where the core has wires)
+        fields["wire"] = "native"
+    state = ScapeState(ddp, sparsity=float(name.split()[1].rstrip("%")) / 100, mask_refresh=mask_refresh, **fields)
     ddp.register_comm_hook(state, scape_hook)
     return ddp, ScapeAdamS(ddp.parameters(), state, **hp)
 
@@ -143,7 +145,7 @@ def worker(args: argparse.Namespace) -> None:
     data, vocab = shakespeare()
     torch.manual_seed(0)
     base = GPT.sized(args.params, vocab, args.context, layers=args.layers)
-    names = ["DDP + AdamS", "SCAPE 90%", "SCAPE 99%"]
+    names = ["DDP + AdamS", "SCAPE 90%", "SCAPE 99%", "SCAPE 99% fp32"]
     runs = {n: build(n, base, args.scape_warmup, args.mask_refresh) for n in names}
     data_of = {n: batches(data, args.batch, args.context, seed=1000 * rank) for n in names}
     instrument()
@@ -152,7 +154,7 @@ def worker(args: argparse.Namespace) -> None:
             step(*runs[n], *next(data_of[n]))
     rows: dict[str, list[dict[str, float]]] = defaultdict(list)
     for r in range(args.rounds):
-        for n in names[r % 3:] + names[:r % 3]:
+        for n in names[r % len(names):] + names[:r % len(names)]:
             dist.barrier()
             for _ in range(args.steps):
                 rows[n].append(step(*runs[n], *next(data_of[n])))
