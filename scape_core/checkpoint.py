@@ -170,8 +170,9 @@ def save_checkpoint(path: str | os.PathLike, state: "ScapeState", *, arrival_tim
 
     ``objects`` are anything with ``state_dict()`` (model, optimizer, scheduler) or plain
     values; a sharded optimizer (``shard_optimizer=True``) is consolidated on rank 0 first, so
-    the file holds every parameter's whole state and loads at any world size, sharded or not. The file is written to a temporary name and renamed, so a crash mid-write never
-    leaves a truncated checkpoint under ``path``. Every rank's residual goes into the file, so
+    the file holds every parameter's whole state and loads at any world size, sharded or not.
+    The file is written to a temporary name and renamed, so a crash mid-write never leaves a
+    truncated checkpoint under ``path``. Every rank's residual goes into the file, so
     every rank must call it: a rank that does not see all the others arrive within
     ``arrival_timeout`` seconds raises ``RuntimeError`` (the usual cause: saving under
     ``if rank == 0:``) instead of waiting for the process-group timeout.

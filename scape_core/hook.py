@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from scape_core import inflight, wire
+from scape_core.layout import gather_spans, scatter_spans
 from scape_core.masks import Mask
 from scape_core.state import ScapeState
 
@@ -77,8 +78,7 @@ def compact(state: ScapeState, p: BucketPlan, mask: Mask, buffer: Tensor) -> tup
     layout = state.layout
     shape = layout.mask_shape(mask.density)
     spans = shape.ranges(p.names)
-    flat = mask.flat(layout)
-    entries = torch.cat([flat[lo:hi] for lo, hi in spans]) if len(spans) != 1 else flat[spans[0][0]:spans[0][1]]
+    entries = gather_spans(mask.flat(layout), spans)
     positions = entries + state.row_shift.index_select(0, torch.div(entries, layout.chunk, rounding_mode="floor"))
     lo, hi = torch.aminmax(buffer)
     finite = torch.isfinite(lo) & torch.isfinite(hi)  # NaN propagates, +-inf stays; no fp16 overflow
@@ -114,11 +114,7 @@ def finish_sparse(state: ScapeState, p: BucketPlan, x: _Exchange, buffer: Tensor
     mean = torch.where(ok, reduced, 0.0)
     buffer.zero_()
     buffer.index_copy_(0, x.positions, mean.to(buffer.dtype))
-    values = state.step_values(x.total)
-    offset = 0
-    for lo, hi in x.spans:
-        values[lo:hi].copy_(mean[offset:offset + hi - lo])
-        offset += hi - lo
+    scatter_spans(state.step_values(x.total), x.spans, mean)
     return buffer
 
 
@@ -159,7 +155,8 @@ def scape_hook(state: ScapeState, bucket: dist.GradBucket) -> torch.futures.Futu
         state.start_sparse()
         p = plan(state, bucket)
     send, exchange = compact(state, p, mask, buffer)
-    if exchange.plan is not None:
+    if exchange.plan is not None:  # counted as one all-reduce of the encoded buffer (see scape_core.wire)
+        state.count(exchange.plan.entries, exchange.plan.nbytes, dense_bytes)
         return exchange_encoded(state, p, exchange, buffer, send)
     state.count(send.numel(), send.numel() * send.element_size(), dense_bytes)
     work = inflight.hold(dist.all_reduce(send, group=state.process_group, async_op=True))
@@ -178,7 +175,6 @@ def exchange_encoded(state: ScapeState, p: BucketPlan, x: _Exchange, buffer: Ten
     stage's callback instead would let ranks order their collectives differently.
     """
     plan, group = x.plan, state.process_group
-    state.count(plan.entries, plan.nbytes, buffer.numel() * buffer.element_size())
     received = torch.empty_like(send)
     inflight.hold(dist.all_to_all_single(received, send, group=group, async_op=True)).wait()
     mean = wire.owner_mean(plan, received)  # this rank's segment

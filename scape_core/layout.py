@@ -36,6 +36,31 @@ def topk_count(size: int, density: float) -> int:
     return min(size, math.ceil(density * size - 1e-9))  # 1e-9: 0.01 * 100 is 1.0000000000000002
 
 
+def gather_spans(values: Tensor, spans: list[tuple[int, int]]) -> Tensor:
+    """``values[lo:hi]`` of every span, concatenated (a view when there is one span).
+
+    Example:
+        >>> gather_spans(torch.arange(6), [(0, 2), (4, 6)])
+        tensor([0, 1, 4, 5])
+    """
+    return values[spans[0][0]:spans[0][1]] if len(spans) == 1 else torch.cat([values[lo:hi] for lo, hi in spans])
+
+
+def scatter_spans(out: Tensor, spans: list[tuple[int, int]], values: Tensor) -> None:
+    """The inverse of :func:`gather_spans`: ``values`` written into ``out``'s spans, in order.
+
+    Example:
+        >>> out = torch.zeros(6, dtype=torch.long)
+        >>> scatter_spans(out, [(0, 2), (4, 6)], torch.tensor([1, 2, 3, 4]))
+        >>> out
+        tensor([1, 2, 0, 0, 3, 4])
+    """
+    offset = 0
+    for lo, hi in spans:
+        out[lo:hi].copy_(values[offset:offset + hi - lo])
+        offset += hi - lo
+
+
 class FlatLayout:
     """Where each parameter's coordinates sit in SCAPE's ``(rows, chunk)`` buffers.
 

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from scape_core import inflight
 from scape_core.config import ScapeConfig
 from scape_core.diagnose import DDPWatch
-from scape_core.layout import FlatLayout, Shard
+from scape_core.layout import FlatLayout, Shard, gather_spans, scatter_spans
 from scape_core.masks import Mask, age_momentum_score, momentum_residual_score, select, strided
 from scape_core.wire import WirePlan
 
@@ -172,7 +172,7 @@ class ScapeState:
         for density in self.schedule.densities():  # built now: their first use reads the device once
             self.layout.mask_shape(density)
             if self.sharded:
-                self._shard_plans[density] = _ShardPlan(self.layout, density, self.rank, self.world_size)
+                self._shard_plan(density)
         for rows in {(0, self.layout.rows), (self.partition.start, self.partition.stop)}:
             self.layout.partial_rows_in(*rows)
         self.step = 0  # optimizer steps taken (skipped ones included)
@@ -319,7 +319,7 @@ class ScapeState:
             torch._foreach_copy_([v for v, _ in elsewhere], [g for _, g in elsewhere])
         values = torch.empty(entries, device=self.layout.device)
         for buffer, positions, spans in self._current.exchanges:
-            _scatter_spans(values, spans, buffer.index_select(0, positions))
+            scatter_spans(values, spans, buffer.index_select(0, positions))
         return values
 
     def scatter_update(self, update: Tensor) -> None:
@@ -327,12 +327,12 @@ class ScapeState:
         parameter's bucket view (:attr:`bucket_views`) then holds its dense update."""
         for buffer, positions, spans in self._current.exchanges:
             buffer.zero_()
-            buffer.index_copy_(0, positions, _gather_spans(update, spans).to(buffer.dtype))
+            buffer.index_copy_(0, positions, gather_spans(update, spans).to(buffer.dtype))
 
     def restore_gradients(self, values: Tensor) -> None:
         """Put the synchronized gradient back into the buckets (``p.grad`` when it is the bucket's view)."""
         for buffer, positions, spans in self._current.exchanges:
-            buffer.index_copy_(0, positions, _gather_spans(values, spans).to(buffer.dtype))
+            buffer.index_copy_(0, positions, gather_spans(values, spans).to(buffer.dtype))
 
     def entries_with_grad(self, params: list[Tensor], entries: Tensor, keep: Tensor) -> Tensor:
         """Per mask entry: applied this step (``keep``, and its parameter has a gradient)."""
@@ -497,8 +497,7 @@ class ScapeState:
 
     def _count_shard(self, sent: Tensor) -> None:
         nbytes = sent.numel() * sent.element_size()
-        self.counters["values_sent"] += sent.numel()
-        self.counters["bytes_sent"] += nbytes
+        self.count(sent.numel(), nbytes, 0)
         self.counters["shard_bytes"] += nbytes
 
     # ----- reporting and checkpoints --------------------------------------------------
@@ -561,15 +560,3 @@ class _ShardPlan:
         self.order = order.to(layout.device)  # gathered position of each of the mask's entries
         self.positions = torch.cat([torch.arange(lo, hi, dtype=index) for lo, hi in spans[rank]]).to(layout.device)
 
-
-def _gather_spans(values: Tensor, spans: list[tuple[int, int]]) -> Tensor:
-    """``values[lo:hi]`` of every span, concatenated (a view when there is one span)."""
-    return values[spans[0][0]:spans[0][1]] if len(spans) == 1 else torch.cat([values[lo:hi] for lo, hi in spans])
-
-
-def _scatter_spans(out: Tensor, spans: list[tuple[int, int]], values: Tensor) -> None:
-    """The inverse of :func:`_gather_spans`: ``values`` written into ``out``'s spans."""
-    offset = 0
-    for lo, hi in spans:
-        out[lo:hi].copy_(values[offset:offset + hi - lo])
-        offset += hi - lo
