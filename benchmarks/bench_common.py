@@ -134,6 +134,18 @@ def launch(argv: list[str], world_size: int, timeout: float, prefix: list[str] |
                 p.wait()
 
 
+def start_rank(params: float, context: int, layers: int) -> tuple[int, int, Tensor, "GPT"]:
+    """A benchmark rank's start: one thread, gloo from the launcher's environment, tiny Shakespeare and
+    the GPT every method copies (the same weights on every rank). Returns ``(rank, world, data, model)``."""
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    data, vocab = shakespeare()
+    torch.manual_seed(0)
+    return dist.get_rank(), dist.get_world_size(), data, GPT.sized(params, vocab, context, layers=layers)
+
+
 def end_rank() -> None:
     """End a benchmark rank after its results are written, skipping interpreter finalization.
 

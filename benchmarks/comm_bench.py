@@ -50,8 +50,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from bench_common import (GPT, batches, core_version, count_params, end_rank, launch, machine, median, scape_fields,
-                          shakespeare)
+from bench_common import (batches, core_version, count_params, end_rank, launch, machine, median, scape_fields,
+                          start_rank)
 
 ROOT = Path(__file__).resolve().parent.parent
 METHODS = ("no-comm + AdamS", "DDP + AdamW", "DDP + AdamS", "PowerSGD r4 + AdamW", "SCAPE 90%", "SCAPE 99%",
@@ -180,12 +180,7 @@ def window(m: Method, batch: int, steps: int, ifaces: dict[str, str], barrier_by
 
 
 def worker(args: argparse.Namespace) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    data, vocab = shakespeare()
-    torch.manual_seed(0)
-    base = GPT.sized(args.params, vocab, args.context, layers=args.layers)
+    rank, world, data, base = start_rank(args.params, args.context, args.layers)
     methods = [build(name, base, args.scape_warmup) for name in args.methods]
     for m in methods:
         m.data = {b: batches(data, b, args.context, seed=1000 * rank + b) for b in args.batches}

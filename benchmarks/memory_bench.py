@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from bench_common import GPT, batches, core_version, count_params, end_rank, launch, machine, shakespeare
+from bench_common import batches, core_version, count_params, end_rank, launch, machine, start_rank
 
 ROOT = Path(__file__).resolve().parent.parent
 METHODS = ("AdamW", "AdamS", "ZeRO + AdamW", "SCAPE 99%", "SCAPE 99% sharded")
@@ -127,12 +127,7 @@ def measure(name: str, base: nn.Module, data: Any) -> dict[str, Any]:
 
 
 def worker(args: argparse.Namespace) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    text, vocab = shakespeare()
-    torch.manual_seed(0)
-    base = GPT.sized(args.params, vocab, args.context, layers=args.layers)
+    rank, world, text, base = start_rank(args.params, args.context, args.layers)
     out = {}
     for name in args.methods:
         out[name] = measure(name, base, batches(text, 1, args.context, seed=rank))

@@ -38,8 +38,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from bench_common import (GPT, batches, core_version, count_params, end_rank, launch, machine, median, scape_fields,
-                          shakespeare)
+from bench_common import (batches, core_version, count_params, end_rank, launch, machine, median, scape_fields,
+                          start_rank)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -139,12 +139,7 @@ def derive(p: dict[str, float]) -> dict[str, float]:
 
 
 def worker(args: argparse.Namespace) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    data, vocab = shakespeare()
-    torch.manual_seed(0)
-    base = GPT.sized(args.params, vocab, args.context, layers=args.layers)
+    rank, _, data, base = start_rank(args.params, args.context, args.layers)
     names = ["DDP + AdamS", "SCAPE 90%", "SCAPE 99%", "SCAPE 99% fp32"]
     runs = {n: build(n, base, args.scape_warmup, args.mask_refresh) for n in names}
     data_of = {n: batches(data, args.batch, args.context, seed=1000 * rank) for n in names}
