@@ -24,7 +24,8 @@ from scape_core.config import SCORES
 QUESTIONS = {
     "sparsity": "Share of dense fp32 bytes NOT sent on a sparse step, in [0, 1) (0.99 sends about 1 byte in 100)",
     "warmup_steps": "Dense warm-up steps before sparse communication starts",
-    "mask_delay": "Mask delay: 1 selects each mask a whole step before its use (off the critical path), 0 the step before (ablation)",
+    "mask_delay": "Mask delay: 1 selects each mask a whole step before its use (off the critical path), "
+                  "0 the step before (ablation)",
     "mask_refresh": "Optimizer steps between new masks",
     "error_feedback": "Keep unsent gradient in per-rank error-feedback residuals? (yes/no)",
     "score": f"Mask score, one of {', '.join(SCORES)}",

@@ -9,13 +9,14 @@ from typing import Any
 import torch
 from accelerate import Accelerator
 from accelerate.optimizer import AcceleratedOptimizer
-from accelerate.utils import DistributedType, is_compiled_module
+from accelerate.utils import DistributedType
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from accelerate_scape.settings import Settings, resolve_settings
 from scape_core import AdamS, ScapeState, gather_state_dict, scape_hook
 from scape_core.convert import adams_param_groups, to_adams, to_scape_adams
+from scape_core.model import unwrap_compiled
 
 _NOT_DDP = (DistributedType.DEEPSPEED, DistributedType.FSDP, DistributedType.MEGATRON_LM, DistributedType.XLA)
 _INACTIVE = {"scape_active": False}  # what a single-process run checkpoints
@@ -196,13 +197,10 @@ def _check_optimizer(optimizer: torch.optim.Optimizer) -> None:
 
 def find_ddp(model: nn.Module) -> DistributedDataParallel:
     """The DDP module of a prepared model: ``model`` itself or inside ``torch.compile``'s wrapper."""
-    found = model
-    while not isinstance(found, DistributedDataParallel):
-        inner = found._modules.get("_orig_mod") if is_compiled_module(found) else None
-        if inner is None:
-            raise RuntimeError(f"SCAPE found no DistributedDataParallel in the prepared model "
-                               f"({type(model).__name__}): does the model have trainable parameters?")
-        found = inner
+    found = unwrap_compiled(model)
+    if not isinstance(found, DistributedDataParallel):
+        raise RuntimeError(f"SCAPE found no DistributedDataParallel in the prepared model "
+                           f"({type(model).__name__}): does the model have trainable parameters?")
     return found
 
 

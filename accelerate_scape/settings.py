@@ -187,7 +187,7 @@ def parse_value(name: str, raw: str, where: str | None = None) -> Any:
             value = float(raw)
         else:
             value = raw.strip()
-    except ValueError as e:
+    except ValueError:
         raise ValueError(f"{where + ': ' if where else ''}{name} expects {kind}, got {raw!r}") from None
     validate_field(name, value, where=where)
     return value

@@ -48,10 +48,18 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
+from bench_common import (
+    batches,
+    core_version,
+    count_params,
+    end_rank,
+    launch,
+    machine,
+    median,
+    scape_fields,
+    start_rank,
+)
 from torch import nn
-
-from bench_common import (batches, core_version, count_params, end_rank, launch, machine, median, scape_fields,
-                          start_rank)
 
 ROOT = Path(__file__).resolve().parent.parent
 METHODS = ("no-comm + AdamS", "DDP + AdamW", "DDP + AdamS", "PowerSGD r4 + AdamW", "SCAPE 90%", "SCAPE 99%",
@@ -65,7 +73,7 @@ class CollectiveCounter:
     """Wraps torch.distributed's collectives; counts the tensors this rank hands over, per method."""
 
     INPUT_ARG = {"all_reduce": 0, "broadcast": 0, "all_gather": 1, "all_gather_into_tensor": 1,
-                 "reduce_scatter_tensor": 1, "all_to_all_single": 1}
+                 "all_gather_single": 1, "reduce_scatter_tensor": 1, "all_to_all_single": 1}
 
     def __init__(self) -> None:
         self.method: str | None = None
@@ -73,7 +81,8 @@ class CollectiveCounter:
 
     def install(self) -> None:
         for op, arg in self.INPUT_ARG.items():
-            setattr(dist, op, self._wrap(getattr(dist, op), arg))
+            if hasattr(dist, op):  # all_gather_single: torch >= 2.13
+                setattr(dist, op, self._wrap(getattr(dist, op), arg))
 
     def _wrap(self, fn: Callable, arg: int) -> Callable:
         def counted(*args: Any, **kwargs: Any) -> Any:

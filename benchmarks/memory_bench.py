@@ -27,9 +27,8 @@ from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
-from torch import nn
-
 from bench_common import batches, core_version, count_params, end_rank, launch, machine, start_rank
+from torch import nn
 
 ROOT = Path(__file__).resolve().parent.parent
 METHODS = ("AdamW", "AdamS", "ZeRO + AdamW", "SCAPE 99%", "SCAPE 99% sharded")
@@ -100,13 +99,13 @@ def measure(name: str, base: nn.Module, data: Any) -> dict[str, Any]:
     exclude = {ptr for p in params for ptr in storage_of(p) + storage_of(p.grad)}
     if state is not None:
         state.wait()
-        exclude |= {ptr for v in state.bucket_views.values() for ptr in storage_of(v)}  # DDP's buckets
+        exclude |= {ptr for v in state.buckets.views.values() for ptr in storage_of(v)}  # DDP's buckets
     held = held_storages([opt, state], exclude)
     n = count_params(ddp.module)
     row: dict[str, Any] = {"params": n, "total": sum(held.values()) / n}
     if state is not None:
         named = {"m": opt.momentum_buffer, **opt.statistics, "windows": state.window_buffer,
-                 "residual": state.residual_buffer, "score workspace": state._scratch}
+                 "residual": state.residual_buffer, "score workspace": state.selector.scratch}
         for key, t in named.items():
             row[key] = held.pop(t.untyped_storage().data_ptr(), 0) / n if t is not None else 0.0
         row["other"] = sum(held.values()) / n

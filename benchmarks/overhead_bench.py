@@ -7,8 +7,8 @@ dense DDP + AdamS and with SCAPE (90%, 99%), interleaved. SCAPE's pieces are tim
     hook        scape_hook's work on the backward: compact (gather g + residual on the mask),
                 launch the all-reduce; plus finish (the residual update, the mean scattered
                 back), which runs in gloo's callback thread
-    selection   ScapeState._select: score and top-k (and, for scores that read the
-                residual, launch the mask all-gather); plus _finish_pending: wait for it
+    selection   MaskSelector.choose: score and top-k (and, for scores that read the
+                residual, launch the mask all-gather); plus finish_pending: wait for it
     optimizer   the update itself (ScapeAdamS._sparse, or AdamS.step for dense)
 
 Overhead = hook + selection per step, as a fraction of the median dense DDP step (target
@@ -37,9 +37,17 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-
-from bench_common import (batches, core_version, count_params, end_rank, launch, machine, median, scape_fields,
-                          start_rank)
+from bench_common import (
+    batches,
+    core_version,
+    count_params,
+    end_rank,
+    launch,
+    machine,
+    median,
+    scape_fields,
+    start_rank,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -76,19 +84,20 @@ TIMER = Timer()
 def instrument() -> None:
     """Wrap the core's pieces (module attributes, so the hook and the state call the wrappers)."""
     import scape_core.hook as hook
+    import scape_core.selection as selection
     import scape_core.state as state
     from scape_core import AdamS, ScapeAdamS
 
     TIMER.wrap(hook, "compact", "compact")
     TIMER.wrap(hook, "finish_sparse", "finish")
-    TIMER.wrap(state, "select", "topk")  # inside _select
-    TIMER.wrap(state.ScapeState, "_select", "select")
-    TIMER.wrap(state.ScapeState, "_finish_pending", "mask_wait")
+    TIMER.wrap(selection, "select", "topk")  # inside MaskSelector.choose
+    TIMER.wrap(selection.MaskSelector, "choose", "select")
+    TIMER.wrap(selection.MaskSelector, "finish_pending", "mask_wait")
     TIMER.wrap(state.ScapeState, "end_step", "end_step")
     TIMER.wrap(ScapeAdamS, "_sparse", "optimizer")
     TIMER.wrap(AdamS, "step", "adams_step")  # ScapeAdamS overrides step: this is dense only
     TIMER.wrap(hook.dist, "all_reduce", "allreduce_launch")
-    TIMER.wrap(state.dist, "all_gather_into_tensor", "gather_launch")  # inside _select (scores read per rank)
+    TIMER.wrap(selection, "all_gather_into_tensor", "gather_launch")  # inside choose (scores read per rank)
 
 
 def build(name: str, base: torch.nn.Module, warmup: int, mask_refresh: int) -> tuple[Any, Any]:

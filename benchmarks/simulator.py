@@ -37,12 +37,13 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
-from benchmarks import candidate_rules  # noqa: F401  (registers the candidate rules)
+from benchmarks import candidate_rules, candidate_wires  # noqa: F401  (register the candidate rules and wires)
+from scape_core import wire as wires
 from scape_core.adams import adams_foreach
 from scape_core.config import ScapeConfig
 from scape_core.layout import FlatLayout, topk_count
-from scape_core import wire as wires
-from scape_core.masks import EXCLUDED, PADDING, Mask, age_momentum_score, momentum_residual_score, select, strided
+from scape_core.masks import EXCLUDED, PADDING, Mask, age_momentum_score, momentum_residual_score, select
+from scape_core.selection import MaskSelector, partition
 from scape_core.update_rules import UPDATE_RULES
 
 VALUE_BYTES = 4  # fp32 gradients
@@ -65,6 +66,19 @@ class Counters:
         d["compression"] = self.dense_bytes / self.bytes_sent if self.bytes_sent else 1.0
         d["bytes_per_step"] = self.bytes_sent / max(self.steps, 1)
         return d
+
+
+class _VirtualRanks(MaskSelector):
+    """The core's mask schedule and lookup (:class:`~scape_core.selection.MaskSelector`), choosing
+    for W virtual ranks at once through :meth:`SimulatedScape._choose` (which adds the prototypes)."""
+
+    def __init__(self, sim: "SimulatedScape") -> None:
+        super().__init__(sim.layout, sim.config, world_size=sim.world_size)
+        self.sim = sim
+
+    def choose(self, target: int, density: float, scheduled: Mask | None, momentum: Tensor,
+               residual: Tensor | None, windows: Tensor | None, beta1: float) -> Mask:
+        return self.sim._choose(target, density, scheduled, residual)
 
 
 class SimulatedScape:
@@ -131,7 +145,7 @@ class SimulatedScape:
         self.residual: Tensor | None = None  # (W, rows * chunk)
         self.local_momentum: Tensor | None = None  # send="momentum" only
         self.windows: Tensor | None = None  # (rows, chunk) int32, the step each coordinate was last exchanged
-        self.masks: dict[int, Mask] = {}
+        self.selection = _VirtualRanks(self)
         self.t = 0
         self.counters = Counters()
         self.sync_counts = torch.zeros(self.layout.rows * self.layout.chunk, dtype=torch.int32)  # diagnostics
@@ -153,50 +167,42 @@ class SimulatedScape:
             out[..., start:start + self.layout.numel[name]] = value.reshape(*lead, -1)
         return out
 
-    # ----- schedule (ScapeState) ----------------------------------------------------------
+    # ----- schedule: the core's MaskSelector over the virtual ranks ---------------------------
+    @property
+    def masks(self) -> dict[int, Mask]:
+        """The scheduled masks by the step that uses them."""
+        return self.selection.masks
+
     def current_mask(self) -> Mask:
-        if self.t not in self.masks:
-            if self.t >= self.schedule.first_selected():
-                raise RuntimeError(f"no mask scheduled for step {self.t}")
-            self.masks[self.t] = strided(self.layout, self.layout.mask_shape(self.schedule.density_at(self.t)))
-        return self.masks[self.t]
+        return self.selection.mask_for(self.t)
 
     def _end_step(self) -> None:
         done, self.t = self.t, self.t + 1
         self.counters.steps += 1
-        if self.schedule.dense:
-            return
-        target = self.schedule.target_after(done)
-        if self.schedule.selects(target):
-            self._select(target)
-        elif not self.schedule.is_dense(target):
-            self.masks[target] = self.masks.get(target - 1) or strided(
-                self.layout, self.layout.mask_shape(self.schedule.density_at(target)))
-        self.masks = {s: m for s, m in self.masks.items() if s >= self.t}
+        self.selection.after_step(done, self.m, self.residual, self.windows, self.hp["beta1"])
 
-    def _select(self, target: int) -> None:
+    def _choose(self, target: int, density: float, scheduled: Mask | None, residual: Tensor | None) -> Mask:
+        """The mask of ``target``: every virtual rank's partition (a score that reads the residual),
+        else the replicated score's, per row or through a prototype's own entries."""
         layout = self.layout
-        shape = layout.mask_shape(self.schedule.density_at(target))
-        scheduled = self.masks.get(target - 1) if self.config.mask_delay else None
+        shape = layout.mask_shape(density)
         if self.score in ("momentum_residual", "residual"):  # per rank: rank r scores its partition of rows
             parts = []
             for r in range(self.world_size):
-                rows = slice(layout.rows * r // self.world_size, layout.rows * (r + 1) // self.world_size)
-                e = None if self.residual is None else self.residual[r].view(layout.rows, -1)[rows]
+                rows = partition(layout, r, self.world_size)
+                e = None if residual is None else residual[r].view(layout.rows, -1)[rows]
                 if self.score == "residual" and e is not None:
                     score = e.abs()
                 else:
                     score = momentum_residual_score(self.m[rows], e, self.hp["beta1"])
                 parts.append(select(score, layout, shape, scheduled, rows))
-            payload = -(-layout.rows // self.world_size) * shape.k * 2  # the largest partition, int16
+            payload = layout.block(self.world_size) * shape.k * 2  # the largest partition, int16
             self.counters.mask_bytes += payload
             self.counters.bytes_sent += payload
-            self.masks[target] = Mask(shape.density, torch.cat(parts))
-            return
+            return Mask(shape.density, torch.cat(parts))
         score = self._replicated_score(target)
         if self.scope == "row" and self.vector_density is None:
-            self.masks[target] = Mask(shape.density, select(score, layout, shape, scheduled))
-            return
+            return Mask(shape.density, select(score, layout, shape, scheduled))
         # prototypes: entries chosen outside the per-row shape (the mask keeps only its flat entries)
         flat = score.view(-1)
         if scheduled is not None:
@@ -210,7 +216,7 @@ class SimulatedScape:
             vec = Mask(vshape.density, select(score.clone(), layout, vshape)).flat(layout)
             on_vector = lambda e: self.vector_rows[torch.div(e, layout.chunk, rounding_mode="floor")]  # noqa: E731
             picked = torch.cat([picked[~on_vector(picked)], vec[on_vector(vec)]])
-        self.masks[target] = Mask(shape.density, torch.empty(0, dtype=torch.int16), _flat=picked.sort().values)
+        return Mask(shape.density, torch.empty(0, dtype=torch.int16), _flat=picked.sort().values)
 
     def _replicated_score(self, target: int) -> Tensor:
         m = self.m

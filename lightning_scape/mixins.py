@@ -17,8 +17,8 @@ from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
-from scape_core.convert import to_scape_adams
 from scape_core import ScapeAdamS, ScapeConfig, ScapeState, gather_state_dict, scape_hook
+from scape_core.convert import to_scape_adams
 
 CHECKPOINT_KEY = "scape"  # checkpoint entry holding every rank's SCAPE state (gather_state_dict)
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
@@ -82,7 +82,7 @@ class ScapeStrategyMixin:
 
     def _attach_scape(self, ddp: DistributedDataParallel) -> ScapeState:
         """Register the SCAPE hook on ``ddp`` whatever the device (Lightning only does so on CUDA)."""
-        state = ScapeState(ddp, config=self.scape_config, process_group=self._ddp_kwargs.get("process_group"))
+        state = ScapeState(ddp, config=self.scape_config)  # communicates over the DDP model's process group
         ddp.register_comm_hook(state, scape_hook)
         return state
 
@@ -113,7 +113,8 @@ class TrainerStrategyMixin(ScapeStrategyMixin):
             check_precision(self.precision_plugin)
         super().setup(trainer)
 
-    def _register_ddp_hooks(self) -> None:
+    def configure_ddp(self) -> None:
+        super().configure_ddp()  # wraps the model in DDP (Lightning's own hook registration is CUDA-only)
         self.scape_state = self._attach_scape(self.model)
 
     def setup_optimizers(self, trainer: Any) -> None:

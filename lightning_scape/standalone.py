@@ -24,6 +24,7 @@ class ScapeFabricStrategy(FabricStrategyMixin, FabricDDPStrategy):
 
 
 def register() -> None:
-    """Register ``"scape"`` / ``"scape_spawn"`` / ``"scape_sharded"`` with ``pytorch_lightning`` and ``lightning_fabric``."""
+    """Register ``"scape"`` / ``"scape_spawn"`` / ``"scape_sharded"`` with ``pytorch_lightning`` and
+    ``lightning_fabric``."""
     ScapeStrategy.register_strategies(StrategyRegistry)
     ScapeFabricStrategy.register_strategies(FABRIC_REGISTRY)

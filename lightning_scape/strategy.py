@@ -24,9 +24,9 @@ class ScapeStrategy(TrainerStrategyMixin, DDPStrategy):
     module keeps follow), warns when ``max_steps`` ends before the warm-up and ramp, writes every rank's
     SCAPE state into checkpoints under ``"scape"`` and resumes it with ``fit(ckpt_path=...)``
     (bit-for-bit at the same world size; a sharded optimizer is consolidated on rank 0 first, as
-    ``ZeroRedundancyOptimizer``, so the checkpoint holds its whole state), and logs ``scape/bytes_sent``, ``scape/dense_bytes``,
-    ``scape/compression`` and ``scape/skipped_steps`` (cumulative, this rank) to the loggers and
-    the progress bar. ``accumulate_grad_batches`` and ``gradient_clip_val`` work as usual;
+    ``ZeroRedundancyOptimizer``, so the checkpoint holds its whole state), and logs
+    ``scape/bytes_sent``, ``scape/dense_bytes``, ``scape/compression`` and ``scape/skipped_steps``
+    (cumulative, this rank) to the loggers and the progress bar. ``accumulate_grad_batches`` and ``gradient_clip_val`` work as usual;
     precision ``32-true``, ``bf16-mixed`` and ``bf16-true`` are supported, ``16-mixed`` is refused
     (its loss scaler skips optimizer steps). One optimizer only.
 

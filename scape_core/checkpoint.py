@@ -8,10 +8,8 @@
 At the same world size every rank gets its own residual back; at another, every rank starts
 from the old ranks' mean residual (the global unsent gradient is kept), with a warning.
 
-Importing this module (``import scape_core`` does) also registers a step pre-hook common to all
-optimizers: an ``Adam`` / ``AdamW`` holding state saved by SCAPE's AdamS (a SCAPE checkpoint
-resumed without SCAPE) fails at its first step with a message that says so, where torch would
-raise ``KeyError: 'exp_avg_sq'``. It raises nowhere torch would not.
+It reads and restores a state through ``ScapeState``'s public pieces only (its selector, its
+buffers, :meth:`~scape_core.ScapeState.reset_sparse`) and imports no module that imports it.
 """
 
 from __future__ import annotations
@@ -26,9 +24,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import distributed_c10d
-from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from scape_core.adams import MOMENTUM
+from scape_core.guard import refuse_adam_with_scape_state
 from scape_core.masks import Mask
 
 if TYPE_CHECKING:
@@ -45,9 +42,9 @@ def state_dict(state: "ScapeState") -> dict[str, Any]:
     Sharded, the windows are this rank's part of each parameter's (``"windows_rows"`` says
     which rows); :func:`gather_state_dict` holds every parameter's whole windows.
     """
-    state._finish_pending()
+    state.selector.finish_pending()
     named = lambda buffer: {n: state.layout.view(buffer, n).detach().cpu().clone() for n in state.params}  # noqa: E731
-    counters = dict(state.counters, skipped_steps=int(state._skipped))
+    counters = dict(state.counters, skipped_steps=state.skipped_steps)
     windows = state.window_buffer
     out = {
         "format": STATE_FORMAT,
@@ -82,7 +79,7 @@ def gather_state_dict(state: "ScapeState") -> dict[str, Any]:
     """
     own = state_dict(state)
     if own.pop("windows_rows", None) is not None and state.window_buffer is not None:  # every rank's part
-        whole = state.unshard(state.window_buffer)
+        whole = state.shards.unshard(state.window_buffer)
         own["windows"] = {n: state.layout.view(whole, n).cpu().clone() for n in state.params}
     if state.residual_buffer is not None:
         out = [torch.empty_like(state.residual_buffer) for _ in range(state.world_size)]
@@ -124,8 +121,9 @@ def check_loadable(state: "ScapeState", saved: Any) -> dict[str, Tensor]:
             f"to resume on rank {state.rank} of {state.world_size}, save with gather_state_dict()")
     rows = saved.get("windows_rows")
     if rows is not None and list(rows) != [state.shard.start, state.shard.stop]:
-        raise ValueError(f"this SCAPE state holds the windows of rows {list(rows)} (saved with shard_optimizer=True); "
-                         f"this run keeps rows [{state.shard.start}, {state.shard.stop}): save with gather_state_dict()")
+        raise ValueError(f"this SCAPE state holds the windows of rows {list(rows)} (saved with "
+                         f"shard_optimizer=True); this run keeps rows [{state.shard.start}, {state.shard.stop}): "
+                         "save with gather_state_dict()")
     return saved["residual"]
 
 
@@ -139,28 +137,20 @@ def _restore(state: "ScapeState", saved: dict[str, Any], residual: dict[str, Ten
     if saved_world != state.world_size and state.rank == 0:  # once per load, on one rank
         warnings.warn(f"resuming SCAPE state saved at world size {saved_world} on world size {state.world_size}: "
                       "every rank starts from the mean residual", stacklevel=3)
-    state._finish_pending()
     layout, device = state.layout, state.layout.device
+    state.selector.load({int(s): Mask(float(m["density"]), m["cols"].to(device=device, dtype=torch.int16))
+                         for s, m in saved["masks"].items()})
     state.step = int(saved["step"])
-    state.masks = {int(s): Mask(float(m["density"]), m["cols"].to(device=device, dtype=torch.int16))
-                   for s, m in saved["masks"].items()}
-    state.residual_buffer = state.window_buffer = None
-    state._sparse = False
-    if saved.get("sparse_started"):
-        state.start_sparse()
+    state.reset_sparse(bool(saved.get("sparse_started")))
     if state.residual_buffer is not None:
-        state.residual_buffer.zero_()
         for name, v in residual.items():
             layout.view(state.residual_buffer, name).copy_(v.reshape(-1))
     if state.window_buffer is not None:  # whole windows (this rank takes its part), or this rank's part
-        state.window_buffer.zero_()
         part = state.shard.part if "windows_rows" not in saved else lambda v, name: v.reshape(-1)
         for name, v in saved.get("windows", {}).items():
             state.shard.view(state.window_buffer, name).copy_(part(v, name))
-    for plan in state.buckets.values():  # residual views point at the old buffer
-        plan.residuals = []
     counters = dict(saved["counters"])
-    state._skipped.fill_(int(counters.pop("skipped_steps", 0)))
+    state.skipped.fill_(int(counters.pop("skipped_steps", 0)))
     state.counters.update(counters)
 
 
@@ -221,6 +211,9 @@ def load_checkpoint(path: str | os.PathLike, state: "ScapeState", **objects: Any
         raise ValueError(f"checkpoint {str(path)!r} has no entry for {missing}")
     residual = check_loadable(state, payload["scape"])
     for key, obj in objects.items():
+        if isinstance(obj, torch.optim.Optimizer):
+            refuse_adam_with_scape_state(obj, payload[key].get("state", {}) if isinstance(payload[key], dict) else {})
+    for key, obj in objects.items():
         obj.load_state_dict(payload[key])
     _restore(state, payload["scape"], residual)
     return payload
@@ -262,27 +255,3 @@ def every_rank_arrives(what: str, group: dist.ProcessGroup | None, timeout: floa
     if store.check([f"{prefix}/abandoned"]):
         raise RuntimeError(f"{what} is collective: rank {store.get(f'{prefix}/abandoned').decode()} stopped waiting "
                            f"for this rank after {timeout:g} s; call {what} on every rank at the same point")
-
-
-def _refuse_scape_state_in_adam(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-    """Step pre-hook of every optimizer: an Adam/AdamW holding AdamS state fails here, saying why."""
-    if not isinstance(optimizer, (torch.optim.Adam, torch.optim.AdamW)):
-        return None
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            held = optimizer.state.get(p)
-            if not held:
-                continue
-            if MOMENTUM in held and "exp_avg_sq" not in held:  # torch would raise KeyError: 'exp_avg_sq'
-                raise RuntimeError(
-                    f"this {type(optimizer).__name__} was loaded with optimizer state saved by SCAPE's AdamS "
-                    "('exp_avg' without 'exp_avg_sq'): the checkpoint is a SCAPE checkpoint. Resume it with SCAPE, "
-                    "as it was trained: Lightning Trainer(strategy='scape') or Fabric(strategy='scape') after "
-                    "`import lightning_scape`, Accelerate ScapePlugin().prepare(...), plain DDP "
-                    "scape_core.load_checkpoint. To continue without SCAPE, load only the model weights (Lightning: "
-                    "model.load_state_dict(torch.load(path)['state_dict']), no ckpt_path) and start a new optimizer.")
-            return None
-    return None
-
-
-_ADAM_GUARD = register_optimizer_step_pre_hook(_refuse_scape_state_in_adam)

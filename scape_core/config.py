@@ -10,6 +10,7 @@ from typing import Any, Iterable, Mapping
 
 from scape_core.layout import MAX_CHUNK
 from scape_core.schedule import MaskSchedule
+from scape_core.update_rules import UPDATE_RULES
 
 SCORES = ("auto", "momentum_residual", "momentum", "age_momentum")
 WIRES = ("auto", "native", "bfloat16", "int8", "int4")
@@ -87,8 +88,6 @@ class ScapeConfig:
     wire_block: int = 128
 
     def __post_init__(self) -> None:
-        from scape_core.update_rules import UPDATE_RULES  # late: rules import this module
-
         normalized = {  # any real number type (numpy scalars included) is kept as a Python float / int
             "sparsity": _real_number("sparsity", self.sparsity, "a float in [0, 1)"),
             "warmup_steps": _check_int("warmup_steps", self.warmup_steps, minimum=0),
@@ -128,8 +127,6 @@ class ScapeConfig:
     @property
     def keeps_windows(self) -> bool:
         """Whether SCAPE keeps each coordinate's last exchanged step (the rule or the score reads it)."""
-        from scape_core.update_rules import UPDATE_RULES
-
         return UPDATE_RULES[self.update].uses_windows or self.resolved_score == "age_momentum"
 
     @property
@@ -142,8 +139,6 @@ class ScapeConfig:
         """The mask score in use (``"auto"`` resolved for the update rule)."""
         if self.score != "auto":
             return self.score
-        from scape_core.update_rules import UPDATE_RULES
-
         return UPDATE_RULES[self.update].default_score
 
     @property
@@ -188,15 +183,6 @@ class ScapeConfig:
     def _coordinates(self) -> float:
         return (1.0 - float(self.sparsity)) * 32 / self._bits()
 
-    def density_at(self, step: int) -> float:
-        """Density of the mask used at ``step`` (the ramp's stage, or ``density`` after it).
-
-        Example:
-            >>> ScapeConfig(sparsity=0.99, warmup_steps=10, ramp_steps=30, wire="native").density_at(25)
-            0.0625
-        """
-        return self.schedule.density_at(step)
-
     @property
     def target_step(self) -> int:
         """The first step at the target density (after the warm-up and the ramp's stages).
@@ -231,7 +217,7 @@ class ScapeConfig:
         else:
             what = (f"warm-up and ramp (warmup_steps={self.warmup_steps}, ramp_steps={self.ramp_steps}) reach "
                     f"the target density {self.density:.4g} (sparsity={self.sparsity}) only at step "
-                    f"{self.target_step}: the run ends at density {self.density_at(total_steps - 1):.4g}")
+                    f"{self.target_step}: the run ends at density {self.schedule.density_at(total_steps - 1):.4g}")
         return (f"SCAPE: this run has {total_steps} optimizer steps, but its {what}. Lower warmup_steps / "
                 "ramp_steps (or train longer) to train at the sparsity you set.")
 

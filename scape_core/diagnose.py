@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from scape_core.model import unwrap_compiled
+
 
 def registered_states(ddp: nn.Module) -> list[Any] | None:
     """The states of the comm hooks registered on ``ddp`` (``None`` if torch does not say)."""
@@ -37,7 +39,7 @@ class DDPWatch:
     """
 
     def __init__(self, model: nn.Module, state: Any) -> None:
-        ddp = getattr(model, "_orig_mod", model)  # torch.compile wrapper
+        ddp = unwrap_compiled(model)
         others = [s for s in registered_states(ddp) or [] if isinstance(s, type(state))]
         if others:
             raise ValueError("this DistributedDataParallel model already has scape_hook registered with another "

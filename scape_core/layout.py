@@ -269,8 +269,3 @@ class MaskShape:
         p_lo, p_hi = bisect.bisect_left(partial, start), bisect.bisect_left(partial, stop)
         return [(f_lo * self.k, f_hi * self.k),
                 (self.full_entries + self._offsets[p_lo], self.full_entries + self._offsets[p_hi])]
-
-    def entries_of(self, names: tuple[str, ...]) -> int:
-        """How many entries the parameters ``names`` have."""
-        self.ranges(names)
-        return self._ranges[names].size

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from scape_core.layout import FlatLayout, MaskShape, topk_count  # noqa: F401  (topk_count re-exported)
+from scape_core.layout import FlatLayout, MaskShape
 
 EXCLUDED, PADDING = -1.0, -2.0  # scores are >= 0: excluded coordinates rank after every free one, padding last
 

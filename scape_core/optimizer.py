@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from scape_core.adams import MOMENTUM, AdamS, adams_foreach, adams_reference, check_grad
+from scape_core.checkpoint import ARRIVAL_TIMEOUT, every_rank_arrives
 from scape_core.masks import Mask
 from scape_core.state import ScapeState
 from scape_core.update_rules import UPDATE_RULES
@@ -150,13 +151,11 @@ class ScapeAdamS(AdamS):
         self._consolidated = full if self.scape.rank == to else None
 
     def _gathered_state_dict(self) -> dict[str, Any]:
-        from scape_core.checkpoint import ARRIVAL_TIMEOUT, every_rank_arrives
-
         scape = self.scape
         every_rank_arrives("ScapeAdamS.state_dict", scape.process_group, ARRIVAL_TIMEOUT,
                            hint="a sharded optimizer gathers its state from every rank: call state_dict() on every "
                                 "rank, or consolidate_state_dict(to=0) on every rank and then state_dict() on rank 0")
-        whole = {key: scape.unshard(buffer) for key, buffer in {MOMENTUM: self.momentum_buffer,
+        whole = {key: scape.shards.unshard(buffer) for key, buffer in {MOMENTUM: self.momentum_buffer,
                                                                  **self.statistics}.items()}
         packed = super().state_dict()  # this rank's views, keyed by index: replaced by whole tensors
         params = [p for group in self.param_groups for p in group["params"]]
@@ -223,7 +222,7 @@ class ScapeAdamS(AdamS):
             run(values, grads, [self.state[p][MOMENTUM] for p in params], lr=group["lr"],
                 beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])
         if self.scape.sharded:
-            self.scape.gather_parameters()
+            self.scape.shards.gather_parameters(self.scape.params)
 
     def _sparse(self, groups: list[tuple[dict[str, Any], list[Tensor]]], mask: Mask, skip: Tensor,
                 all_have_grad: bool, **hp: float) -> None:
@@ -231,29 +230,29 @@ class ScapeAdamS(AdamS):
         scape = self.scape
         entries = mask.flat(scape.layout)
         with_grad = [p for _, params in groups for p in params]
-        s = scape.gather_gradients(with_grad, entries.numel())  # the window sums, read back from p.grad
-        applied = ~skip if all_have_grad else scape.entries_with_grad(with_grad, entries, ~skip)
+        s = scape.record.gather_gradients(with_grad, entries.numel())  # the window sums, read back from p.grad
+        applied = ~skip if all_have_grad else self._entries_with_grad(with_grad, entries, ~skip)
         u = self._masked_update(mask, s, applied, hp)
         keep = (~skip).float()
-        scape.scatter_update(u)  # the bucket buffers now hold u on the mask
+        scape.record.scatter_update(u)  # the bucket buffers now hold u on the mask
         for group, params in groups:
             if not params:
                 continue
             if group["weight_decay"]:  # every coordinate, every applied step (1 on a skipped one)
                 torch._foreach_mul_(params, keep.mul(-group["lr"] * group["weight_decay"]).add_(1.0))
-            deltas = [scape.bucket_views[self._names[p]] for p in params]
+            deltas = [scape.buckets.views[self._names[p]] for p in params]
             torch._foreach_add_(params, deltas, alpha=-group["lr"])
-        scape.restore_gradients(s)
-        scape.return_unapplied(entries, applied)
+        scape.record.restore_gradients(s)
+        scape.record.return_unapplied(scape.residual_buffer, entries, applied)
 
     def _masked_update(self, mask: Mask, s: Tensor, applied: Tensor, hp: dict[str, float]) -> Tensor:
         """The rule on the entries whose state this rank keeps; returns ``u`` for every entry (0 where
         not applied). Sharded: each owner updates its entries and the owners' ``u`` are all-gathered."""
-        positions, local = self.scape.own_entries(mask)
+        positions, local = self.scape.shards.own_entries(mask)
         if positions is not None:
             s = s.index_select(0, positions)
             applied = applied.index_select(0, positions) if applied.dim() else applied
-        n = self.scape.mark_exchanged(local, applied)
+        n = self._mark_exchanged(local, applied)
         m_flat = self.momentum_buffer.view(-1)
         m = m_flat.index_select(0, local)
         stats = {k: b.view(-1).index_select(0, local) for k, b in self.statistics.items()}
@@ -262,4 +261,24 @@ class ScapeAdamS(AdamS):
         for key, value in stats_new.items():
             self.statistics[key].view(-1).index_copy_(0, local, torch.where(applied, value, stats[key]))
         u = u.masked_fill_(~applied, 0.0)
-        return u if positions is None else self.scape.gather_updates(u, mask.density)
+        return u if positions is None else self.scape.shards.gather_updates(u, mask.density)
+
+    def _mark_exchanged(self, entries: Tensor, applied: Tensor) -> Tensor | None:
+        """The window length of each entry (steps since its last exchange, >= 1); marks them exchanged now."""
+        windows, step = self.scape.window_buffer, self.scape.step
+        if windows is None:
+            return None
+        flat = windows.view(-1)
+        last = flat.index_select(0, entries)
+        flat.index_copy_(0, entries, torch.where(applied, step, last))
+        return last.neg_().add_(step)
+
+    def _entries_with_grad(self, params: list[Tensor], entries: Tensor, keep: Tensor) -> Tensor:
+        """Per mask entry: applied this step (``keep``, and its parameter has a gradient)."""
+        layout, with_grad = self.scape.layout, {self._names[p] for p in params}
+        rows = torch.ones(layout.rows, dtype=torch.bool, device=layout.device)
+        for name in self.scape.params:
+            if name not in with_grad:  # rare (unused parameters): one fill each
+                rows[layout.first_row[name]:layout.first_row[name] + layout.nrows[name]] = False
+        owner = torch.div(entries, layout.chunk, rounding_mode="floor")
+        return rows.index_select(0, owner) & keep

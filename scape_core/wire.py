@@ -38,9 +38,23 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-WIRES = ("bfloat16", "int8", "int4", "int2")  # int2: a benchmark prototype, not a ScapeConfig choice
-_BITS = {"bfloat16": 16, "int8": 8, "int4": 4, "int2": 2}
-_QMAX = {"int8": 127, "int4": 7, "int2": 1}
+_BITS = {"bfloat16": 16, "int8": 8, "int4": 4}  # the shipped wires; prototypes add theirs (register_integer_wire)
+_QMAX = {"int8": 127, "int4": 7}
+
+
+def register_integer_wire(name: str, bits: int) -> None:
+    """Make ``name`` a :class:`WirePlan` wire of ``bits``-bit integers (2 or 4: whole values per byte;
+    8 is int8), symmetric around 0 with one fp32 scale per block. For prototypes (``benchmarks/``):
+    ``ScapeConfig.wire`` accepts the shipped wires only.
+
+    Example:
+        >>> register_integer_wire("int2", 2)
+        >>> WirePlan("int2", entries=8, world=1).row_bytes   # 8 values in 2 bytes, one fp32 scale
+        6
+    """
+    if bits not in (2, 4):
+        raise ValueError(f"bits must be 2 or 4, got {bits!r}")
+    _BITS[name], _QMAX[name] = bits, 2 ** (bits - 1) - 1
 
 
 @dataclass(frozen=True)
@@ -61,8 +75,8 @@ class WirePlan:
     block_len: int = field(init=False)
 
     def __post_init__(self) -> None:
-        if self.wire not in WIRES:
-            raise ValueError(f"wire must be one of {WIRES}, got {self.wire!r}")
+        if self.wire not in _BITS:
+            raise ValueError(f"wire must be one of {tuple(_BITS)}, got {self.wire!r}")
         per_rank = max(1, -(-self.entries // self.world))
         blocks = -(-per_rank // self.block) if self.scaled else 1
         block_len = -(-per_rank // blocks)
@@ -93,18 +107,6 @@ class WirePlan:
         return self.world * self.row_bytes
 
 
-def wire_bytes(wire: str, entries: int, world: int, block: int = 128) -> int:
-    """Bytes one rank sends for ``entries`` values in ``wire`` (``"native"``: fp32, ``4 * entries``).
-
-    Example:
-        >>> wire_bytes("native", 1000, 8), wire_bytes("bfloat16", 1000, 8), wire_bytes("int8", 1000, 8)
-        (4000, 2000, 1032)
-    """
-    if wire == "native":
-        return 4 * entries
-    return WirePlan(wire, entries, world, block).nbytes
-
-
 def encode(plan: WirePlan, x: Tensor) -> Tensor:
     """Segments ``x`` (``(..., segment)`` fp32) as bytes ``(..., row_bytes)`` uint8."""
     if plan.wire == "bfloat16":
@@ -129,7 +131,8 @@ def decode(plan: WirePlan, data: Tensor) -> Tensor:
     """The fp32 values ``(..., segment)`` of encoded segments ``(..., row_bytes)``."""
     if plan.wire == "bfloat16":
         return data.view(torch.bfloat16).float()
-    values, scale = data[..., :plan.value_bytes], data[..., plan.value_bytes:].clone(memory_format=torch.contiguous_format).view(torch.float32)
+    values = data[..., :plan.value_bytes]
+    scale = data[..., plan.value_bytes:].clone(memory_format=torch.contiguous_format).view(torch.float32)
     if plan.wire == "int8":
         q = values.view(torch.int8).float()
     else:

@@ -49,9 +49,10 @@ def snapshot(state: ScapeState, opt: ScapeAdamS) -> dict:
     """Everything a SCAPE step reads and writes on this rank, by parameter name (collective when sharded)."""
     out: dict = {"step": state.step, "param": {}, "m": {}, "sq": {}, "last_sync": {}, "residual": {}}
     layout = state.layout
-    m = state.unshard(opt.momentum_buffer)
-    sq = state.unshard(opt.statistics["sq"]) if "sq" in opt.statistics else None
-    windows = None if state.window_buffer is None else state.unshard(state.window_buffer)
+    unshard = state.shards.unshard
+    m = unshard(opt.momentum_buffer)
+    sq = unshard(opt.statistics["sq"]) if "sq" in opt.statistics else None
+    windows = None if state.window_buffer is None else unshard(state.window_buffer)
     for name, p in state.params.items():
         out["param"][name] = _flat(p)
         out["m"][name] = _flat(layout.view(m, name))
@@ -103,9 +104,9 @@ def wire_segments(state: ScapeState) -> list[Compact]:
     """The compact buffers of the sparse step in progress (call between backward and ``opt.step()``)."""
     layout, out = state.layout, []
     flat = state.masks[state.step].flat(layout).cpu()
-    for _, _, spans in state._current.exchanges:
-        entries = torch.cat([flat[lo:hi] for lo, hi in spans])
-        plan = state.wire_plan(entries.numel())
+    for exchange in state.record.exchanges:
+        entries = torch.cat([flat[lo:hi] for lo, hi in exchange.spans])
+        plan = state.buckets.wire_plan(entries.numel())
         rows = torch.div(entries, layout.chunk, rounding_mode="floor")
         names, index = [], []
         for e, row in zip(entries.tolist(), rows.tolist()):

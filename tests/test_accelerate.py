@@ -21,8 +21,13 @@ import torch
 from accelerate.tracking import GeneralTracker
 from torch import nn
 
-from accelerate_scape.settings import (default_config_file, load_config_file, resolve_settings, to_environ,
-                                       write_config_file)
+from accelerate_scape.settings import (
+    default_config_file,
+    load_config_file,
+    resolve_settings,
+    to_environ,
+    write_config_file,
+)
 from scape_core import AdamS, ScapeConfig
 
 HERE = Path(__file__).resolve()
@@ -212,7 +217,8 @@ def _run(cmd: list[str], env: dict[str, str], timeout: int = 300, input: str | N
          check: bool = True) -> subprocess.CompletedProcess:
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout, input=input)
     if check and proc.returncode != 0:
-        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
+        raise AssertionError(f"{' '.join(cmd)} failed ({proc.returncode}):\n"
+                             f"{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}")
     return proc
 
 

@@ -39,7 +39,9 @@ def test_foreach_equals_reference_and_groups():
     torch.manual_seed(1)
     model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Linear(4, 3))
     twin = copy.deepcopy(model)
-    groups = lambda m: [{"params": m[0].parameters(), "weight_decay": 0.1}, {"params": m[1].parameters(), "lr": 0.05}]
+    def groups(m):
+        return [{"params": m[0].parameters(), "weight_decay": 0.1}, {"params": m[1].parameters(), "lr": 0.05}]
+
     a = AdamS(groups(model), lr=0.01, foreach=True)
     b = AdamS(groups(twin), lr=0.01, foreach=False)
     for _ in range(4):
@@ -73,7 +75,8 @@ def test_state_dict_round_trip():
     other.load_state_dict(saved)
     g = torch.randn(6)
     p.grad, q.grad = g.clone(), g.clone()
-    opt.step(); other.step()
+    opt.step()
+    other.step()
     assert torch.equal(p, q)
 
 

@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from scape_core import ScapeAdamS, ScapeConfig, ScapeState, scape_hook
 from tests import probe, reference
 from tests.dist import run_distributed
+from tests.models import batch, make_model
 
 BETAS, EPS, WD = (0.9, 0.95), 1e-8, 0.1
 CASES = {  # every sparse case runs at its named density (ramp_steps=0) unless it tests the ramp
@@ -51,17 +51,6 @@ CASES = {  # every sparse case runs at its named density (ramp_steps=0) unless i
 SHARDED = ["linear99_ramp_sharded", "lazy80_delay0_refresh2_sharded"]
 
 
-def make_model(dtype: torch.dtype = torch.float32) -> nn.Module:
-    torch.manual_seed(0)
-    net = nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 4))
-    return net.to(dtype)
-
-
-def batch(step: int, rank: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(8, 16, generator=g).to(dtype), torch.randn(8, 4, generator=g).to(dtype)
-
-
 def lr_at(step: int) -> float:
     return 1e-2 * (1 - step / 40)  # changes every step: the core must read the group's lr each step
 
@@ -81,7 +70,7 @@ def _record(rank: int, world: int, cases: dict) -> dict:
     out = {}
     for case, spec in cases.items():
         dtype = spec.get("dtype", torch.float32)
-        model = make_model(dtype)
+        model = make_model(dtype=dtype)
         ddp = DDP(model, bucket_cap_mb=spec.get("bucket_cap_mb", 25))
         state = ScapeState(ddp, config=ScapeConfig(**spec["config"]))
         local: dict = {}
@@ -92,7 +81,7 @@ def _record(rank: int, world: int, cases: dict) -> dict:
             for group in opt.param_groups:
                 group["lr"] = lr_at(t)
             before = probe.snapshot(state, opt)
-            x, y = batch(t, rank, dtype)
+            x, y = batch(t, rank, dtype=dtype)
             loss = (ddp(x) - y).float().pow(2).mean()
             if rank == 1 and t in spec.get("nonfinite_at", ()):
                 loss = loss * float("inf")
@@ -104,12 +93,13 @@ def _record(rank: int, world: int, cases: dict) -> dict:
                 poison.remove()
             used = probe.mask(state, t)
             groups = None if used is None else probe.selection_groups(state, t)
-            compact = probe.wire_segments(state) if used is not None and state.config.resolved_wire != "native" else None
+            encoded = used is not None and state.config.resolved_wire != "native"
+            compact = probe.wire_segments(state) if encoded else None
             synced = {n: p.grad.detach().reshape(-1).double().clone() for n, p in state.params.items()}
             opt.step()
             opt.zero_grad()
-            records.append(dict(before=before, grads=dict(local), mask=used, groups=groups, compact=compact, lr=lr_at(t),
-                                synced=synced, after=probe.snapshot(state, opt)))
+            records.append(dict(before=before, grads=dict(local), mask=used, groups=groups, compact=compact,
+                                lr=lr_at(t), synced=synced, after=probe.snapshot(state, opt)))
         out[case] = dict(records=records, skipped=state.stats()["skipped_steps"])
     return out
 
@@ -305,7 +295,8 @@ def test_encoded_wires_follow_the_contract(runs, case):
             assert ((got - mean).abs() <= off + slack).all(), f"{case} step {t}: delivered mean off its grid"
             kept = [_at(r["after"]["residual"], buf) for r in recs]
             for rank, k in enumerate(kept):
-                assert (k.abs() <= keep[rank] + slack).all(), f"{case} step {t} rank {rank}: keeps more than its rounding"
+                assert (k.abs() <= keep[rank] + slack).all(), \
+                    f"{case} step {t} rank {rank}: keeps more than its rounding"
             close(sum(kept) / len(kept) + got, mean, f"{case} step {t}: conservation on the mask", atol=1e-6)
         exchanged = {n: synced[n][mask[n]] for n in mask}
         want = reference.step([r["before"] for r in recs], [r["grads"] for r in recs], mask, rule=cfg.update,

@@ -6,7 +6,8 @@ from benchmarks.convergence import main, parse_method
 
 
 def test_parse_method():
-    assert parse_method("scape99+update=linear+ramp=150") == dict(kind="scape", sparsity=0.99, update="linear", ramp=150)
+    want = dict(kind="scape", sparsity=0.99, update="linear", ramp=150)
+    assert parse_method("scape99+update=linear+ramp=150") == want
 
 
 def test_tiny_run_and_report(tmp_path, capsys):

@@ -12,20 +12,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from scape_core import AdamS, ScapeAdamS, ScapeState, gather_state_dict, scape_hook
 from tests.dist import run_distributed
-
-
-def make_model(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 4))
-
-
-def batch(step: int, rank: int, n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(n, 16, generator=g), torch.randn(n, 4, generator=g)
-
-
-def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return (model(x) - y).pow(2).mean()
+from tests.models import batch, loss_fn, make_model
 
 
 def scape_setup(model, sparsity, warmup=3, ddp_kwargs=None, ramp_steps=0, **cfg):
@@ -87,7 +74,7 @@ def _variants(rank, world, sparsity, wire):
         after = state.stats()
         sparse = {k: after[k] - before[k] for k in ("bytes_sent", "dense_bytes", "hook_calls", "steps")}
         # one plan per live bucket: none left from before DDP's bucket rebuild (it would hold the old buffer)
-        assert sorted(n for plan in state.buckets.values() for n in plan.names) == sorted(state.params), name
+        assert sorted(n for plan in state.buckets.plans.values() for n in plan.names) == sorted(state.params), name
         out[name] = snapshot(model, opt) + (sparse,)
     return out
 
@@ -204,7 +191,8 @@ def _accumulation(rank, world):
     for step in range(10):
         x, y = batch(step, rank, n=16)
         loss_fn(ddp, x, y).backward()
-        opt.step(); opt.zero_grad()
+        opt.step()
+        opt.zero_grad()
     acc = make_model()
     ddp, state, opt = scape_setup(acc, 0.9)
     for step in range(10):
@@ -212,7 +200,8 @@ def _accumulation(rank, world):
         with ddp.no_sync():
             (loss_fn(ddp, x[:8], y[:8]) / 2).backward()
         (loss_fn(ddp, x[8:], y[8:]) / 2).backward()
-        opt.step(); opt.zero_grad()
+        opt.step()
+        opt.zero_grad()
     return max((p - q).abs().max().item() for p, q in zip(big.parameters(), acc.parameters())), state.stats()
 
 
@@ -231,7 +220,8 @@ def _nonfinite(rank, world, at_step):
         if step == at_step and rank == 1:
             loss = loss * float("inf")
         loss.backward()
-        opt.step(); opt.zero_grad()
+        opt.step()
+        opt.zero_grad()
     finite = all(torch.isfinite(t).all() for t in list(model.parameters()) + list(state.residuals.values())
                  + [opt.state[p]["exp_avg"] for p in model.parameters()])
     return snapshot(model, opt), finite, state.stats()["skipped_steps"]
@@ -332,10 +322,10 @@ def test_misuse_gives_clear_errors():
 # ----------------------------------------------------------------------------------------
 def _collectives(rank, world):
     import scape_core.hook as hook_module
-    import scape_core.state as state_module
+    from scape_core.compat import ALL_GATHER
 
     calls = {"all_reduce": [], "all_gather": 0, "all_to_all": []}
-    real_reduce, real_gather = hook_module.dist.all_reduce, state_module.dist.all_gather_into_tensor
+    real_reduce, real_gather = hook_module.dist.all_reduce, getattr(dist, ALL_GATHER)
     real_to_all = hook_module.dist.all_to_all_single
 
     def counting_reduce(tensor, *args, **kwargs):
@@ -350,7 +340,8 @@ def _collectives(rank, world):
         calls["all_to_all"].append(tensor.numel() * tensor.element_size())
         return real_to_all(output, tensor, *args, **kwargs)
 
-    hook_module.dist.all_reduce, state_module.dist.all_gather_into_tensor = counting_reduce, counting_gather
+    hook_module.dist.all_reduce = counting_reduce
+    setattr(dist, ALL_GATHER, counting_gather)
     hook_module.dist.all_to_all_single = counting_to_all
     try:
         out = {}
@@ -372,7 +363,8 @@ def _collectives(rank, world):
         calls["all_gather"], calls["all_to_all"], before = 0, [], state.stats()
         train(ddp, opt, rank, 10, start=3)
         after = state.stats()
-        out["int4"] = dict(reduces=len(calls["all_reduce"]), gathers=calls["all_gather"], to_all=list(calls["all_to_all"]),
+        out["int4"] = dict(reduces=len(calls["all_reduce"]), gathers=calls["all_gather"],
+                           to_all=list(calls["all_to_all"]),
                            hook_calls=after["hook_calls"] - before["hook_calls"],
                            bytes=after["bytes_sent"] - before["bytes_sent"])
         # with a ramp: 2 steps each at 25%, 6.25%, 1.5625%, then 1% (values per step, all buckets)
@@ -385,7 +377,8 @@ def _collectives(rank, world):
             out.setdefault("ramp", []).append(sum(calls["all_reduce"][before:]))
         return out, [p.numel() for p in model.parameters()]
     finally:
-        hook_module.dist.all_reduce, state_module.dist.all_gather_into_tensor = real_reduce, real_gather
+        hook_module.dist.all_reduce = real_reduce
+        setattr(dist, ALL_GATHER, real_gather)
         hook_module.dist.all_to_all_single = real_to_all
 
 

@@ -2,12 +2,12 @@
 
 import pytest
 import torch
-from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from benchmarks.simulator import SimulatedScape, SimulatedTopK, rank_gradients
 from scape_core import ScapeAdamS, ScapeConfig, ScapeState, scape_hook
 from tests.dist import run_distributed
+from tests.models import batch, loss_fn, make_model
 
 STEPS = 20
 LR, WD = 1e-2, 0.1
@@ -24,21 +24,10 @@ CONFIGS = {  # ramp_steps=0 runs at the named sparsity; "ramp" tests the ramp (6
     "int8": dict(sparsity=0.8, warmup_steps=3, ramp_steps=0, wire="int8", wire_block=16),
     "int4_ramp": dict(sparsity=0.99, warmup_steps=3, ramp_steps=18, wire="int4", wire_block=16),
     "auto99": dict(sparsity=0.99, warmup_steps=3, ramp_steps=0),  # the default wire: int4 from 97% up
+    # lazy's score reads each rank's residual, so rank r selects its partition of the rows: 11 rows of
+    # 1024 on 2 ranks (6 + 5) pin the core's ceil blocks, where rows * r // W would give 5 + 6
+    "lazy_odd_rows": dict(sparsity=0.9, warmup_steps=3, update="lazy", ramp_steps=0, chunk_size=1024),
 }
-
-
-def make_model() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 64), nn.LayerNorm(64), nn.Linear(64, 4))
-
-
-def batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
-
-
-def loss_fn(model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return (model(x) - y).pow(2).mean()
 
 
 def _real(rank: int, world: int) -> dict:
@@ -80,6 +69,11 @@ def _simulated(cfg: dict, world: int = 2, buckets: list | None = None) -> tuple[
 @pytest.fixture(scope="module")
 def real():
     return run_distributed(_real)
+
+
+def test_lazy_odd_rows_partitions_unevenly():
+    layout = SimulatedScape(make_model(), 2, ScapeConfig(**CONFIGS["lazy_odd_rows"])).layout
+    assert layout.rows == 11 and ScapeConfig(**CONFIGS["lazy_odd_rows"]).resolved_score == "momentum_residual"
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))

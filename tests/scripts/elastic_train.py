@@ -5,9 +5,9 @@
 With ``--fail-at N`` rank 1 kills itself once, at step N (a marker file prevents a second death);
 torchrun restarts every worker, which resume from the last checkpoint. Each rank finally writes
 a hash of its parameters, momenta and residuals to OUT/rank{r}.txt, its parameters to
-OUT/rank{r}.pt, and where it ran (node, network namespace, the launcher's variables) to OUT/rank{r}.json. ``--step-seconds`` slows the
-steps down so that a harness can kill a node or cut its link mid-training (benchmarks/multinode.py);
-``--timeout`` bounds every collective.
+OUT/rank{r}.pt, and where it ran (node, network namespace, the launcher's variables) to
+OUT/rank{r}.json. ``--step-seconds`` slows the steps down so that a harness can kill a node or cut
+its link mid-training (benchmarks/multinode.py); ``--timeout`` bounds every collective.
 """
 
 import argparse

@@ -1,0 +1,177 @@
+"""DDP's buckets as ``scape_hook`` sees them, and the record of one step it leaves for the optimizer.
+
+- :class:`Buckets`: each bucket resolved once (its parameters' gradient views, and where a
+  flat coordinate sits in the bucket's buffer), rebuilt when DDP rebuilds its buckets.
+- :class:`Exchange`: one bucket's sparse exchange (its entries, their positions in the bucket).
+- :class:`StepRecord`: what the hook did during the current backward (which gradients it
+  synchronized, each bucket's finiteness verdict, the exchanged means), read by ``ScapeAdamS``
+  to apply the step: it gathers the synchronized sums from the buckets, writes the update into
+  them and puts the sums back.
+
+Everything a completion callback (gloo's thread) writes into is created beforehand on the
+hook's thread; the callbacks only fill disjoint spans and append verdicts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from scape_core import wire
+from scape_core.layout import FlatLayout, gather_spans, scatter_spans
+
+
+@dataclass
+class BucketPlan:
+    """One DDP bucket, resolved once: its parameters and their views in the bucket and in SCAPE's buffers."""
+
+    names: tuple[str, ...]
+    grads: list[Tensor]  # flat views of each parameter's gradient in the bucket buffer
+    residual_views: list[Tensor] | None = None  # the same parameters' residual views, once the residual exists
+
+    def residuals(self, layout: FlatLayout, residual: Tensor) -> list[Tensor]:
+        """This bucket's parameters' views of ``residual`` (resolved once per residual buffer)."""
+        if self.residual_views is None:
+            self.residual_views = layout.views(residual, list(self.names))
+        return self.residual_views
+
+
+class Buckets:
+    """The hook's per-bucket plans, each parameter's gradient view in its bucket, and the wire plans."""
+
+    def __init__(self, layout: FlatLayout, names: dict[int, str], wire_name: str, world_size: int,
+                 wire_block: int) -> None:
+        self.layout, self.names = layout, names
+        self.wire_name, self.world_size, self.wire_block = wire_name, world_size, wire_block
+        self.plans: dict[tuple[int, int], BucketPlan] = {}
+        self.views: dict[str, Tensor] = {}  # each parameter's gradient view in its DDP bucket
+        # flat index of a coordinate + the shift of its row = its position in its bucket's buffer
+        self.row_shift = torch.zeros(layout.rows, dtype=torch.long, device=layout.device)
+        self._wire_plans: dict[int, wire.WirePlan] = {}
+
+    def plan(self, bucket: dist.GradBucket) -> BucketPlan:
+        """The bucket's plan, built at its first sight (and again after DDP rebuilds its buckets)."""
+        buffer = bucket.buffer()
+        key = (bucket.index(), buffer.data_ptr())
+        found = self.plans.get(key)
+        if found is not None:
+            return found
+        if buffer.is_sparse or not buffer.is_floating_point():
+            names = [self.names[id(p)] for p in bucket.parameters()]
+            kind = "sparse" if buffer.is_sparse else buffer.dtype
+            raise TypeError(f"scape_hook needs dense floating-point gradients; {names} have {kind} gradients "
+                            "(use nn.Embedding(sparse=False))")
+        names, grads, rows, shifts = [], [], [], []
+        layout = self.layout
+        for p, g in zip(bucket.parameters(), bucket.gradients()):
+            name = self.names[id(p)]
+            names.append(name)
+            grads.append(g.view(-1))
+            self.views[name] = g  # shaped like the parameter: the optimizer reads and writes through it
+            offset = g.storage_offset() - buffer.storage_offset()  # where the gradient starts in the bucket
+            first = layout.first_row[name]
+            rows.append(torch.arange(first, first + layout.nrows[name]))
+            shifts.append(torch.full((layout.nrows[name],), offset - first * layout.chunk))
+        self.row_shift.index_copy_(0, torch.cat(rows).to(self.row_shift.device),
+                                   torch.cat(shifts).to(self.row_shift.device))
+        for stale in [k for k, old in self.plans.items() if not set(old.names).isdisjoint(names)]:
+            del self.plans[stale]  # DDP rebuilt its buckets: the old plan would keep the old buffer alive
+        found = self.plans[key] = BucketPlan(tuple(names), grads)
+        return found
+
+    def positions(self, entries: Tensor) -> Tensor:
+        """Where the flat ``entries`` sit in their buckets' buffers."""
+        rows = torch.div(entries, self.layout.chunk, rounding_mode="floor")
+        return entries + self.row_shift.index_select(0, rows)
+
+    def wire_plan(self, entries: int) -> wire.WirePlan:
+        """The shape of a compact buffer of ``entries`` values on this run's encoded wire (built once)."""
+        if entries not in self._wire_plans:
+            self._wire_plans[entries] = wire.WirePlan(self.wire_name, entries, self.world_size, self.wire_block)
+        return self._wire_plans[entries]
+
+    def forget_residual_views(self) -> None:
+        """The residual buffer was replaced (a loaded state): views are resolved again at the next step."""
+        for plan in self.plans.values():
+            plan.residual_views = None
+
+
+@dataclass
+class Exchange:
+    """One bucket's sparse exchange: where its entries are, and what this rank keeps if it succeeds."""
+
+    buffer: Tensor  # the bucket's buffer (holds the mean on the mask once the exchange finished)
+    entries: Tensor  # flat indices into SCAPE's buffers
+    positions: Tensor  # the same coordinates in the bucket buffer
+    spans: list[tuple[int, int]]  # where the bucket's entries sit among the mask's entries
+    finite: Tensor  # this rank's gradients in the bucket are finite (0-dim bool)
+    kept: Tensor | None  # a low-precision wire's rounding of what was sent, else None (nothing kept)
+    plan: wire.WirePlan | None = None  # an encoded wire's shape (None: native values, one all-reduce)
+
+
+@dataclass
+class StepRecord:
+    """What the hook recorded during the current step's backward, for the optimizer step."""
+
+    buckets: Buckets
+    synced: set[str] = field(default_factory=set)
+    finite: list[Tensor] = field(default_factory=list)  # one 0-dim bool per bucket: its reduced values are finite
+    values: Tensor | None = None  # sparse: the mean exchanged at each mask entry (0 where a bucket was not finite)
+    exchanges: list[Exchange] = field(default_factory=list)  # sparse: one per bucket
+    applied_names: list[str] = field(default_factory=list)  # parameters with a gradient at the optimizer step
+
+    def sync(self, names: tuple[str, ...]) -> None:
+        """A bucket's gradients are being synchronized; refuses a second sync before the optimizer step."""
+        again = self.synced.intersection(names)
+        if again:
+            raise RuntimeError(
+                "scape_hook synchronized the same gradients twice without ScapeAdamS.step() in "
+                f"between (e.g. {sorted(again)[0]!r}): every sync flushes residuals that only the "
+                "SCAPE optimizer applies. Use ScapeAdamS, and accumulate gradients under ddp.no_sync()."
+            )
+        self.synced.update(names)
+
+    def add_exchange(self, exchange: Exchange, total: int) -> None:
+        """A sparse bucket's exchange is being issued (on the hook's thread, before its callback can run):
+        the step's buffer of exchanged means (``total``: the mask's entries) exists from here on."""
+        if self.values is None:
+            self.values = torch.zeros(total, device=exchange.entries.device)
+        self.exchanges.append(exchange)
+
+    def return_unapplied(self, residual: Tensor | None, entries: Tensor, applied: Tensor) -> None:
+        """Exchanged values the optimizer did not apply (a skipped step, a parameter without
+        gradient) go back into ``residual``: nothing sent is lost. ``applied``: bool, 0-dim or per entry."""
+        if self.values is not None and residual is not None:
+            residual.view(-1).index_add_(0, entries, self.values.masked_fill(applied, 0.0))
+
+    def gather_gradients(self, params: list[Tensor], entries: int) -> Tensor:
+        """The synchronized gradient at every mask entry, read from ``p.grad`` (fp32).
+
+        Reads ``p.grad``, not what the hook received, so gradient clipping or scaling between
+        backward and step applies. A ``p.grad`` that is not its bucket's own memory
+        (``gradient_as_bucket_view=False``, or replaced) is first copied into the bucket.
+        """
+        views, names = self.buckets.views, self.buckets.names
+        elsewhere = [(views[names[id(p)]], p.grad) for p in params
+                     if p.grad.data_ptr() != views[names[id(p)]].data_ptr()]
+        if elsewhere:
+            torch._foreach_copy_([v for v, _ in elsewhere], [g for _, g in elsewhere])
+        values = torch.empty(entries, device=self.buckets.layout.device)
+        for x in self.exchanges:
+            scatter_spans(values, x.spans, x.buffer.index_select(0, x.positions))
+        return values
+
+    def scatter_update(self, update: Tensor) -> None:
+        """Write ``update`` (one value per mask entry) into the bucket buffers, zeros elsewhere: each
+        parameter's bucket view (:attr:`Buckets.views`) then holds its dense update."""
+        for x in self.exchanges:
+            x.buffer.zero_()
+            x.buffer.index_copy_(0, x.positions, gather_spans(update, x.spans).to(x.buffer.dtype))
+
+    def restore_gradients(self, values: Tensor) -> None:
+        """Put the synchronized gradient back into the buckets (``p.grad`` when it is the bucket's view)."""
+        for x in self.exchanges:
+            x.buffer.index_copy_(0, x.positions, gather_spans(values, x.spans).to(x.buffer.dtype))

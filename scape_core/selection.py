@@ -1,0 +1,186 @@
+"""Which coordinates each sparse step exchanges: the schedule's lookup, the score, the top-k and,
+when a rank can score only its rows, the partitioned all-gather of the masks, a step ahead.
+
+:class:`MaskSelector` is the one job of choosing masks. ``ScapeState`` holds one and feeds it
+the optimizer's momentum, the rank's residual and the windows after every step;
+``benchmarks/simulator.py`` subclasses it for its virtual ranks (:meth:`MaskSelector.choose`).
+The mask used at step ``T`` is chosen at the end of step ``T - 1 - mask_delay``
+(:class:`~scape_core.schedule.MaskSchedule`), the mask being flushed meanwhile excluded.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from scape_core import inflight
+from scape_core.compat import all_gather_into_tensor
+from scape_core.config import ScapeConfig
+from scape_core.layout import FlatLayout
+from scape_core.masks import Mask, age_momentum_score, momentum_residual_score, select, strided
+
+
+def partition(layout: FlatLayout, rank: int, world: int) -> slice:
+    """The rows rank ``rank`` of ``world`` scores when selection is partitioned (its equal block).
+
+    Example:
+        >>> partition(FlatLayout({"w": torch.zeros(5, 8)}, chunk=8), 1, 2)
+        slice(3, 5, None)
+    """
+    own = layout.shard(rank, world)
+    return slice(own.start, own.stop)
+
+
+def score(kind: str, m: Tensor, residual: Tensor | None, windows: Tensor | None, target: int, beta1: float,
+          out: Tensor | None = None) -> Tensor:
+    """The score of the coordinates of ``m`` (any rows) for the mask of step ``target``.
+
+    ``kind`` is a :attr:`ScapeConfig.resolved_score`: ``"age_momentum"`` (``|m| (n - 1)``),
+    ``"momentum"`` (``|m|``) or ``"momentum_residual"`` (``|beta1 m + (1 - beta1) e_r|``).
+
+    Example:
+        >>> score("momentum", torch.tensor([[-2.0, 1.0]]), None, None, target=5, beta1=0.9)
+        tensor([[2., 1.]])
+    """
+    if kind == "momentum_residual":
+        return momentum_residual_score(m, residual, beta1)
+    if kind == "age_momentum":
+        return age_momentum_score(m, windows, target, out=out)
+    return torch.abs(m, out=out)
+
+
+class MaskSelector:
+    """The masks of upcoming sparse steps, chosen from replicated statistics (or this rank's rows).
+
+    With a replicated score and replicated state every rank selects the whole mask itself and
+    nothing is exchanged. Otherwise (a score that reads the residual, or sharded state) rank r
+    selects the rows of its partition and one asynchronous all-gather of the int16 columns,
+    waited for one step later, makes the mask common.
+
+    Example:
+        >>> layout = FlatLayout({"w": torch.zeros(4, 8)}, chunk=8)
+        >>> selector = MaskSelector(layout, ScapeConfig(sparsity=0.75, warmup_steps=2, ramp_steps=0))
+        >>> m = torch.arange(32.0).view(4, 8)
+        >>> selector.after_step(0, m, None, None, beta1=0.9)    # step 0 ended: selects step 2's mask
+        >>> sorted(selector.mask_for(2).cols[0].tolist())        # the 2 largest |m| of each row
+        [6, 7]
+        >>> selector.after_step(1, m, None, None, beta1=0.9)    # step 3's, without step 2's (being flushed)
+        >>> sorted(selector.masks), sorted(selector.masks[3].cols[0].tolist())
+        ([2, 3], [4, 5])
+    """
+
+    def __init__(self, layout: FlatLayout, config: ScapeConfig, *, rank: int = 0, world_size: int = 1,
+                 process_group: dist.ProcessGroup | None = None, counters: dict[str, int] | None = None) -> None:
+        self.layout, self.config, self.schedule = layout, config, config.schedule
+        self.rank, self.world_size, self.process_group = rank, world_size, process_group
+        self.partition = partition(layout, rank, world_size)  # rows this rank scores when partitioned
+        self.whole = config.replicated_score and not config.shard_optimizer  # every rank selects everything
+        self.counters = counters if counters is not None else {"mask_bytes": 0, "bytes_sent": 0}
+        self.masks: dict[int, Mask] = {}  # step -> mask used at that step
+        self._strided: dict[float, Mask] = {}
+        self._pending: tuple[int, Any, Tensor] | None = None  # (step, work, gathered columns)
+        self.scratch: Tensor | None = None  # the CPU's score buffer (see workspace)
+        for density in self.schedule.densities():  # built now: their first use reads the device once
+            layout.mask_shape(density)
+        for rows in {(0, layout.rows), (self.partition.start, self.partition.stop)}:
+            layout.partial_rows_in(*rows)
+
+    # ----- lookup ---------------------------------------------------------------------
+    def mask_for(self, step: int) -> Mask | None:
+        """The mask of ``step`` (``None`` on a dense step); waits for its all-gather if in flight."""
+        if self.schedule.is_dense(step):
+            return None
+        if step not in self.masks:
+            self.finish_pending()
+            if step not in self.masks:
+                if step >= self.schedule.first_selected():  # a step existed that should have picked it
+                    raise RuntimeError(f"no SCAPE mask is scheduled for step {step}: was "
+                                       "ScapeAdamS.step() skipped, or the state reloaded without its masks?")
+                self.masks[step] = self.strided_mask(self.schedule.density_at(step))
+        return self.masks[step]
+
+    def strided_mask(self, density: float) -> Mask:
+        """Evenly spaced picks: the mask of sparse steps no earlier step could select for."""
+        if density not in self._strided:
+            self._strided[density] = strided(self.layout, self.layout.mask_shape(density))
+        return self._strided[density]
+
+    def load(self, masks: dict[int, Mask]) -> None:
+        """Replace the scheduled masks (a checkpoint's); an all-gather in flight is finished first."""
+        self.finish_pending()
+        self.masks = dict(masks)
+
+    # ----- selection ------------------------------------------------------------------
+    def after_step(self, done: int, momentum: Tensor, residual: Tensor | None, windows: Tensor | None,
+                   beta1: float) -> None:
+        """Step ``done`` ended: choose the mask it schedules, drop the masks of past steps.
+
+        ``momentum`` and ``windows`` are the optimizer's ``(rows, chunk)`` buffers of the rows whose
+        state this rank keeps (every row, or its partition when sharded); ``residual`` is this
+        rank's, every row (``None`` before the first sparse step).
+        """
+        if self.schedule.dense:
+            return
+        self.finish_pending()
+        target = self.schedule.target_after(done)
+        if self.schedule.selects(target):
+            shape = self.layout.mask_shape(self.schedule.density_at(target))
+            scheduled = self.masks.get(target - 1) if self.config.mask_delay else None  # being flushed: not twice
+            chosen = self.choose(target, shape.density, scheduled, momentum, residual, windows, beta1)
+            if chosen is not None:
+                self.masks[target] = chosen
+        elif not self.schedule.is_dense(target):
+            self.masks[target] = self.masks.get(target - 1) or self.strided_mask(self.schedule.density_at(target))
+        if self.config.mask_delay == 0:
+            self.finish_pending()
+        self.masks = {s: m for s, m in self.masks.items() if s > done}
+        if self._strided and done + 1 > self.schedule.first_selected():  # every later mask is selected
+            self._strided.clear()
+
+    def choose(self, target: int, density: float, scheduled: Mask | None, momentum: Tensor,
+               residual: Tensor | None, windows: Tensor | None, beta1: float) -> Mask | None:
+        """Score and pick the mask of ``target``: all of it, or this rank's rows (then ``None``: the
+        partitions' all-gather is in flight and :meth:`finish_pending` completes the mask)."""
+        shape = self.layout.mask_shape(density)
+        rows = slice(0, self.layout.rows) if self.whole else self.partition
+        sharded = self.config.shard_optimizer
+        m = momentum if sharded or self.whole else momentum[rows]
+        e = None if residual is None else residual[rows]
+        w = windows if windows is None or sharded or self.whole else windows[rows]
+        s = score(self.config.resolved_score, m, e, w, target, beta1, out=self.workspace(m.shape[0]))
+        own = select(s, self.layout, shape, scheduled, rows)
+        if self.whole:  # every rank selected the whole mask itself: nothing to exchange
+            return Mask(shape.density, own)
+        most = self.layout.block(self.world_size)  # rows of a partition (the last ones may have fewer)
+        payload = torch.zeros(most, shape.k, dtype=torch.int16, device=own.device)
+        payload[:own.shape[0]] = own
+        wire = payload.view(torch.uint8)  # as bytes: gloo has no int16
+        out = wire.new_empty(self.world_size * most, wire.shape[1])
+        work = inflight.hold(all_gather_into_tensor(out, wire, group=self.process_group, async_op=True))
+        nbytes = payload.numel() * payload.element_size()
+        self.counters["mask_bytes"] += nbytes
+        self.counters["bytes_sent"] += nbytes
+        self._pending = (target, work, out)
+        return None
+
+    def finish_pending(self) -> None:
+        """Wait for the partitions' all-gather in flight (if any) and file its mask."""
+        if self._pending is None:
+            return
+        target, work, out = self._pending
+        work.wait()
+        cols = out.view(torch.int16)[:self.layout.rows]  # equal blocks: the ranks' rows in layout order
+        self.masks[target] = Mask(self.schedule.density_at(target), cols)
+        self._pending = None
+
+    def workspace(self, rows: int) -> Tensor | None:
+        """A ``(rows, chunk)`` fp32 scratch buffer for the score. Kept on the CPU, where a fresh buffer
+        this size costs more (page faults) than the arithmetic; on a GPU the caching allocator reuses one."""
+        if self.layout.device.type != "cpu":
+            return None
+        if self.scratch is None or self.scratch.shape[0] != rows:
+            self.scratch = torch.zeros(rows, self.layout.chunk, device=self.layout.device)
+        return self.scratch
