@@ -198,16 +198,29 @@ class TrafficCounter(TorchDispatchMode):
         counter.totals()  # {'operators': 1, 'read': 8 * n, 'written': 4 * n, ...} for n fp32 values
     """
 
-    def __init__(self) -> None:
+    def __init__(self, sites: str | None = None) -> None:
         super().__init__()
         self.ops: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])  # name -> [calls, read, written]
         self.views = self.host_reads = self.host_syncs = self.collective_bytes = 0
+        self.sites = sites  # a package directory name: also count per innermost function of it that called
+        self.by_site: dict[str, list[int]] = defaultdict(lambda: [0, 0, 0])
 
     def record(self, name: str, read: int, written: int) -> None:
-        row = self.ops[name]
-        row[0] += 1
-        row[1] += read
-        row[2] += written
+        rows = [self.ops[name]] + ([self.by_site[f"{self._site()}: {name}"]] if self.sites else [])
+        for row in rows:
+            row[0] += 1
+            row[1] += read
+            row[2] += written
+
+    def _site(self) -> str:
+        """``module.function`` of the innermost frame in the ``sites`` package (``"outside"``: none)."""
+        frame = sys._getframe(2)
+        marker = f"{os.sep}{self.sites}{os.sep}"
+        while frame is not None:
+            if marker in frame.f_code.co_filename:
+                return f"{Path(frame.f_code.co_filename).stem}.{frame.f_code.co_name}"
+            frame = frame.f_back
+        return "outside"
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -233,7 +246,8 @@ class TrafficCounter(TorchDispatchMode):
         return {"operators": sum(r[0] for r in self.ops.values()), "read": sum(r[1] for r in self.ops.values()),
                 "written": sum(r[2] for r in self.ops.values()), "host_reads": self.host_reads,
                 "host_syncs": self.host_syncs, "views": self.views, "collective_bytes": self.collective_bytes,
-                "by_op": {k: list(v) for k, v in self.ops.items()}}
+                "by_op": {k: list(v) for k, v in self.ops.items()},
+                **({"by_site": {k: list(v) for k, v in self.by_site.items()}} if self.sites else {})}
 
 
 def count_compiled(fn: Callable, name: str | None = None) -> Callable:
@@ -328,7 +342,7 @@ def measure(method: str, base: nn.Module, data: Iterator[tuple[Tensor, Tensor]],
     with synchronous_collectives():
         for _ in range(SCAPE_WARM if state is not None else 2):
             train_step(ddp, opt, *next(data))
-        counter = TrafficCounter()
+        counter = TrafficCounter(sites="scape_core")
         x, y = next(data)
         with counter:
             train_step(ddp, opt, x, y)
@@ -341,17 +355,23 @@ def measure(method: str, base: nn.Module, data: Iterator[tuple[Tensor, Tensor]],
     return row
 
 
-def added(row: dict[str, Any], base: dict[str, Any], params: int) -> dict[str, Any]:
-    """A method's step minus the baseline's, per parameter; per operator name, sorted by bytes added."""
-    by_op = {}
-    for name in set(row["by_op"]) | set(base["by_op"]):
-        c, r, w = (a - b for a, b in zip(row["by_op"].get(name, [0, 0, 0]), base["by_op"].get(name, [0, 0, 0])))
+def _diff(row: dict[str, list[int]], base: dict[str, list[int]], params: int) -> dict[str, dict[str, float]]:
+    """Per key: calls and bytes per parameter of ``row`` minus ``base``, sorted by bytes added."""
+    out = {}
+    for key in set(row) | set(base):
+        c, r, w = (a - b for a, b in zip(row.get(key, [0, 0, 0]), base.get(key, [0, 0, 0])))
         if c or r or w:
-            by_op[name] = {"calls": c, "bytes_per_param": (r + w) / params, "read": r / params, "written": w / params}
+            out[key] = {"calls": c, "bytes_per_param": (r + w) / params, "read": r / params, "written": w / params}
+    return dict(sorted(out.items(), key=lambda kv: -kv[1]["bytes_per_param"]))
+
+
+def added(row: dict[str, Any], base: dict[str, Any], params: int) -> dict[str, Any]:
+    """A method's step minus the baseline's, per parameter; per operator name and per calling site."""
     read, written = (row[k] - base[k] for k in ("read", "written"))
     return {"bytes_per_param": (read + written) / params, "read_per_param": read / params,
             "written_per_param": written / params, "operators": row["operators"] - base["operators"],
-            "by_op": dict(sorted(by_op.items(), key=lambda kv: -kv[1]["bytes_per_param"]))}
+            "by_op": _diff(row["by_op"], base["by_op"], params),
+            "by_site": _diff(row["by_site"], base["by_site"], params)}
 
 
 def init_single_rank(store_dir: str) -> None:
@@ -379,11 +399,19 @@ def run(methods: list[str], params: float, layers: int, context: int, batch: int
     return out
 
 
-def report(res: dict[str, Any], top: int = 12) -> str:
-    """Markdown: added bytes per parameter, operators and host reads per method; top operators of SCAPE's."""
+def _top(rows: list[tuple[str, dict[str, float]]], top: int) -> tuple[list, list]:
+    """The ``top`` largest rows and anything that saves more than 0.05 B/param; the rest."""
+    shown = rows[:top] + [kv for kv in rows[top:] if kv[1]["bytes_per_param"] < -0.05]
+    return shown, [kv for kv in rows[top:] if kv[1]["bytes_per_param"] >= -0.05]
+
+
+def report(res: dict[str, Any], top: int = 16) -> str:
+    """Markdown: added bytes per parameter, operators and host reads per method; where each method's bytes go,
+    by operator and (SCAPE) by the core's function that issued them."""
     lines = [f"GPT {res['params'] / 1e6:.2f}M parameters ({res['tensors']} tensors), world size 1, batch "
-             f"{res['batch'][0]} x {res['batch'][1]}; added = the step minus a forward + backward under DDP's "
-             f"plain all-reduce, no optimizer (baseline: {res['baseline']['operators']} operators, "
+             f"{res['batch'][0]} x {res['batch'][1]}, gradient_as_bucket_view={res['gradient_as_bucket_view']}; "
+             f"added = the step minus a forward + backward under DDP's plain all-reduce, no optimizer (baseline: "
+             f"{res['baseline']['operators']} operators, "
              f"{(res['baseline']['read'] + res['baseline']['written']) / res['params']:.0f} B/param)\n",
              "| method | added B/param | read | written | added operators | host reads / step | counted step |",
              "|---|---|---|---|---|---|---|"]
@@ -394,16 +422,27 @@ def report(res: dict[str, Any], top: int = 12) -> str:
         lines.append(f"| {name} | {a['bytes_per_param']:.1f} | {a['read_per_param']:.1f} | "
                      f"{a['written_per_param']:.1f} | {a['operators']} | {r['host_reads']} | {kind} |")
     for name, r in res["methods"].items():
-        ops = list(r["added"]["by_op"].items())
-        lines += [f"\n{name}: where the added bytes go (B/param, read + written; calls)\n",
+        shown, rest = _top(list(r["added"]["by_op"].items()), top)
+        lines += [f"\n{name}: added bytes by operator (B/param, read + written; calls)\n",
                   "| operator | B/param | calls |", "|---|---|---|"]
-        shown = ops[:top] + [kv for kv in ops[top:] if kv[1]["bytes_per_param"] < -0.05]  # and what it saves
         lines += [f"| {k} | {v['bytes_per_param']:.2f} | {v['calls']} |" for k, v in shown]
-        rest = ops[top:]
-        rest = [kv for kv in rest if kv[1]["bytes_per_param"] >= -0.05]
         if rest:
             lines.append(f"| {len(rest)} others | {sum(v['bytes_per_param'] for _, v in rest):.2f} | "
                          f"{sum(v['calls'] for _, v in rest)} |")
+        if "sparse" not in r:
+            continue
+        sites: dict[str, dict[str, Any]] = defaultdict(lambda: {"bytes_per_param": 0.0, "calls": 0, "ops": []})
+        for key, v in r["added"]["by_site"].items():
+            site, op = key.split(": ", 1)
+            sites[site]["bytes_per_param"] += v["bytes_per_param"]
+            sites[site]["calls"] += v["calls"]
+            sites[site]["ops"].append(f"{op} {v['bytes_per_param']:.1f}")
+        lines += [f"\n{name}: added bytes by the scape_core function that issued them (\"outside\": DDP, the "
+                  "model; against the baseline)\n", "| function | B/param | calls | operators (B/param) |",
+                  "|---|---|---|---|"]
+        for site, v in sorted(sites.items(), key=lambda kv: -kv[1]["bytes_per_param"]):
+            lines.append(f"| {site} | {v['bytes_per_param']:.2f} | {v['calls']} | {', '.join(v['ops'][:6])}"
+                         f"{', ...' if len(v['ops']) > 6 else ''} |")
     return "\n".join(lines)
 
 
