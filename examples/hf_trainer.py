@@ -20,6 +20,7 @@ import argparse
 import os
 import sys
 import time
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -113,6 +114,7 @@ def main(argv: list[str] | None = None) -> None:
                                                                                       else argv)])
         return
     hf_logging.set_verbosity_error()
+    warnings.filterwarnings("ignore", ".*all_gather_into_tensor.*")  # the Trainer's loss gather, every log
     cuda = torch.cuda.is_available()
     set_seed(args.seed)
     model, corpus = load_model_and_corpus(args.model, args.block_size, args.data)
