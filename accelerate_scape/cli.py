@@ -149,8 +149,26 @@ def _launch_command(args: argparse.Namespace) -> int:
         os.environ[S.CONFIG_FILE_ENV] = str(resolved.file)
     summary = ", ".join(f"{n}={getattr(resolved.config, n)}" for n in S.fields())
     print(f"accelerate-scape: SCAPE settings exported to every process: {summary}", file=sys.stderr)
+    if _runs_python(args):  # each process runs the script under accelerate_scape.watch: it says if SCAPE is off
+        module = ["-m"] if args.module else []
+        args.training_script_args = [*module, args.training_script, *args.training_script_args]
+        args.training_script, args.module = "accelerate_scape.watch", True
     launch_command(args)
     return 0
+
+
+def _runs_python(args: argparse.Namespace) -> bool:
+    """Whether the launcher starts ``python [-m] SCRIPT`` (not an executable, a TPU or SageMaker job)."""
+    if args.no_python or args.tpu:
+        return False
+    from accelerate.commands.config import default_config_file, load_config_from_file
+    from accelerate.utils import ComputeEnvironment, DistributedType
+
+    if args.config_file is None and not os.path.isfile(default_config_file):
+        return True
+    config = load_config_from_file(args.config_file)  # as `accelerate launch` reads it
+    return (config.compute_environment != ComputeEnvironment.AMAZON_SAGEMAKER
+            and config.distributed_type != DistributedType.XLA)
 
 
 class _WithHelp:

@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from accelerate_scape.settings import Settings, resolve_settings
-from scape_core import AdamS, ScapeState, gather_state_dict, scape_hook
+from scape_core import AdamS, ScapeAdamS, ScapeState, gather_state_dict, scape_hook
 from scape_core.convert import adams_param_groups, to_adams, to_scape_adams
 from scape_core.model import unwrap_compiled
 
@@ -107,19 +107,10 @@ class ScapePlugin:
 
         if not multi:
             converted = to_adams(optimizer)  # in place: the user's references and schedulers follow
-            accelerator.print(f"SCAPE: inactive (single process), training densely with AdamS "
-                              f"(converted from {original})")
             out = _as_list(accelerator.prepare(*args, device_placement=_placement(placement)), len(args))
         else:
             model = accelerator.prepare(args[model_at], device_placement=_placement([placement[model_at]]))
-            ddp = find_ddp(model)
-            self.state = ScapeState(ddp, config=self.config)
-            try:
-                ddp.register_comm_hook(self.state, scape_hook)
-            except RuntimeError as e:
-                raise RuntimeError("could not register the SCAPE hook on the DDP model (does "
-                                   "DistributedDataParallelKwargs set a comm_hook? remove it)") from e
-            converted = to_scape_adams(optimizer, self.state)  # in place, as above
+            converted = self._hook(model, optimizer)
             rest = [i for i in range(len(args)) if i != model_at]
             prepared = _as_list(accelerator.prepare(*[args[i] for i in rest],
                                                     device_placement=_placement([placement[i] for i in rest])),
@@ -128,15 +119,58 @@ class ScapePlugin:
             out[model_at] = model
             for i, obj in zip(rest, prepared):
                 out[i] = obj
+        self._start(accelerator, converted, out[opt_at], original)
+        return tuple(out) if len(out) > 1 else out[0]
+
+    def attach(self, accelerator: Accelerator, model: nn.Module, optimizer: AcceleratedOptimizer) -> AdamS:
+        """SCAPE on a model and optimizer that ``accelerator.prepare`` already prepared; returns the optimizer.
+
+        For frameworks that call ``accelerator.prepare`` themselves (``transformers.Trainer``:
+        use :class:`transformers_scape.ScapeTrainer`, which calls this): registers the hook on
+        the prepared DDP ``model`` and converts the optimizer inside ``optimizer`` in place, as
+        :meth:`prepare` does, before its first step. A scheduler already built on it follows.
+
+        Example:
+            >>> model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters()))  # doctest: +SKIP
+            >>> ScapePlugin(sparsity=0.9).attach(accelerator, model, optimizer)                         # doctest: +SKIP
+            ScapeAdamS (...)
+        """
+        if self.accelerator is not None:
+            raise RuntimeError("this ScapePlugin is already attached: one plugin serves one model and optimizer")
+        if not isinstance(optimizer, AcceleratedOptimizer):
+            raise TypeError(f"attach takes the optimizer accelerator.prepare returned, got {type(optimizer).__name__}")
+        multi = accelerator.num_processes > 1
+        _check_accelerator(accelerator, multi)
+        inner = optimizer.optimizer
+        original = type(inner).__name__
+        adams_param_groups(inner)  # refuses what SCAPE cannot train, before anything changes
+        converted = self._hook(model, inner) if multi else to_adams(inner)
+        self._start(accelerator, converted, optimizer, original)
+        return converted
+
+    def _hook(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> ScapeAdamS:
+        """The state on the prepared DDP model, its hook, and the optimizer converted onto it."""
+        ddp = find_ddp(model)
+        self.state = ScapeState(ddp, config=self.config)
+        try:
+            ddp.register_comm_hook(self.state, scape_hook)
+        except RuntimeError as e:
+            raise RuntimeError("could not register the SCAPE hook on the DDP model (does "
+                               "DistributedDataParallelKwargs set a comm_hook? remove it)") from e
+        return to_scape_adams(optimizer, self.state)  # in place, as above
+
+    def _start(self, accelerator: Accelerator, converted: AdamS, prepared: AcceleratedOptimizer, original: str) -> None:
+        if self.state is None:
+            accelerator.print(f"SCAPE: inactive (single process), training densely with AdamS "
+                              f"(converted from {original})")
+        else:
             accelerator.print(f"SCAPE: active on {accelerator.num_processes} processes, "
                               f"{original} -> ScapeAdamS, settings:\n{self.settings.describe()}")
-
         self.accelerator = accelerator
         self.optimizer = converted
-        self._prepared_optimizer = out[opt_at]
+        self._prepared_optimizer = prepared
         converted.register_step_post_hook(self._after_step)
         accelerator.register_for_checkpointing(self)
-        return tuple(out) if len(out) > 1 else out[0]
 
     # ----- reporting ------------------------------------------------------------------
     def stats(self) -> dict[str, float]:

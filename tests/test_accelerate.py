@@ -505,6 +505,7 @@ def test_accelerate_scape_launch_exports_settings(tmp_path):
     cmd = _scape_cli() + ["launch", *_launch_args("eager"), "--warmup_steps", "3", str(HERE), "cli", str(tmp_path)]
     proc = _run(cmd, env)
     assert "SCAPE settings exported to every process" in proc.stderr
+    assert "SCAPE is not active" not in proc.stderr  # the launcher's watch saw ScapeAdamS step
     ranks = _load(tmp_path, "cli")
     settings = ranks[0]["settings"]
     assert settings["sparsity"] == (0.9, "env SCAPE_SPARSITY")  # from the file, exported by the launcher

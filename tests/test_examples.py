@@ -166,6 +166,14 @@ def test_accelerate_gpt_end_to_end(tmp_path):
     assert result["sparsity"] == 0.9 and result["warmup_steps"] == 2  # the script's flags win
 
 
+@needs_data
+def test_hf_trainer_end_to_end(tmp_path):
+    proc = run([sys.executable, "examples/hf_trainer.py", *TINY, "--out", str(tmp_path)])  # starts 2 processes
+    result = check_summary(tmp_path, proc.stdout)
+    assert result["sparsity"] == 0.9 and result["warmup_steps"] == 2 and result["ramp_steps"] == 0
+    assert "SCAPE with transformers.Trainer" in proc.stdout
+
+
 def test_ddp_hook_without_torchrun_says_how_to_launch():
     proc = subprocess.run([sys.executable, "examples/ddp_hook.py"], cwd=EXAMPLES.parent, capture_output=True,
                           text=True, timeout=120, env={k: v for k, v in os.environ.items() if k != "LOCAL_RANK"})

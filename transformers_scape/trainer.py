@@ -1,0 +1,128 @@
+"""ScapeTrainer: ``transformers.Trainer`` with SCAPE sparse gradient communication.
+
+Why a subclass and not a ``TrainerCallback``: a callback is handed the unwrapped model, never
+the DDP module the comm hook goes on (``Trainer.model_wrapped``); on resume the Trainer loads
+the optimizer state before any callback runs, into the optimizer SCAPE must convert first, and
+no callback learns which checkpoint it resumed; and user callbacks' ``on_log`` runs after the
+``report_to`` integrations', too late to add keys to what they report. The subclass overrides
+the Trainer's own checkpoint steps and ``log``; everything SCAPE does to the Accelerate objects
+the Trainer prepared is :meth:`accelerate_scape.ScapePlugin.attach`.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from typing import Any, Mapping
+
+import torch
+from transformers import Trainer, TrainerCallback
+
+from accelerate_scape import ScapePlugin
+
+SCAPE_STATE_NAME = "scape_state.pt"  # in each checkpoint-<step> folder, next to optimizer.pt
+LOGGED = ("compression", "bytes_sent", "dense_bytes", "skipped_steps")  # as lightning_scape logs them
+_OVERRIDDEN = ("_save_optimizer_and_scheduler", "_load_optimizer_and_scheduler", "log")
+_missing = [name for name in _OVERRIDDEN if not callable(getattr(Trainer, name, None))]
+if _missing:
+    import transformers
+
+    raise ImportError(f"transformers_scape overrides Trainer.{', Trainer.'.join(_missing)}, which transformers "
+                      f"{transformers.__version__} does not have")
+
+
+class ScapeTrainerMixin:
+    """SCAPE in a ``transformers.Trainer`` subclass: put it first, ``class S(ScapeTrainerMixin, SFTTrainer): pass``.
+
+    Settings resolve as in the other adapters: ``scape`` here > ``SCAPE_*`` environment
+    (``accelerate-scape launch`` exports them) > ``scape_config.yaml`` > ``ScapeConfig``
+    defaults, so ``accelerate-scape launch`` and ``torchrun`` both work. At the start of
+    training the optimizer the Trainer built (AdamW by default, two parameter groups) becomes
+    :class:`~scape_core.ScapeAdamS` in place (its LR scheduler follows) and the SCAPE hook goes
+    on the DDP model; on one process SCAPE is inactive and the optimizer becomes AdamS.
+    ``trainer.scape`` is the :class:`~accelerate_scape.ScapePlugin` that does it:
+    ``trainer.scape.stats()``, ``trainer.scape.state``.
+
+    Checkpoints: every rank reaches ``_save_optimizer_and_scheduler`` (the Trainer writes
+    ``optimizer.pt`` there from rank 0); every rank's SCAPE state is gathered there and rank 0
+    writes it to ``scape_state.pt`` in the checkpoint folder. ``train(resume_from_checkpoint=...)``
+    converts the optimizer before the Trainer loads its state and restores each rank's residual:
+    bit-for-bit at the same world size (with the native wire; see ``docs/reliability.md``).
+
+    Logging: each training log (every ``logging_steps``) carries ``scape/compression``,
+    ``scape/bytes_sent``, ``scape/dense_bytes`` and ``scape/skipped_steps`` (rank 0's, since the
+    run began), so they reach ``report_to`` and ``trainer.state.log_history``.
+
+    Refused: DeepSpeed and FSDP (SCAPE replaces DDP's all-reduce), ``fp16=True`` (its loss
+    scaler skips steps behind SCAPE's back: use ``bf16=True``), optimizers other than AdamW,
+    Adam and AdamS.
+
+    Args:
+        scape: ``ScapeConfig`` fields (``sparsity``, ``warmup_steps``, ``ramp_steps``, ``wire``, ...).
+        scape_config_file: a ``scape_config.yaml`` to read instead of the default one.
+        *args, **kwargs: the Trainer's own.
+
+    Example:
+        >>> from transformers_scape import ScapeTrainer                          # doctest: +SKIP
+        >>> trainer = ScapeTrainer(model=model, args=TrainingArguments("out", save_steps=100),
+        ...                        train_dataset=data, scape=dict(sparsity=0.99))  # doctest: +SKIP
+        >>> trainer.train(resume_from_checkpoint=True)                            # doctest: +SKIP
+    """
+
+    def __init__(self, *args: Any, scape: Mapping[str, Any] | None = None,
+                 scape_config_file: str | os.PathLike | None = None, **kwargs: Any) -> None:
+        self.scape = ScapePlugin(config_file=scape_config_file, log_every=0, **dict(scape or {}))
+        super().__init__(*args, **kwargs)
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            raise ValueError("SCAPE replaces DDP's gradient all-reduce; this Trainer uses DeepSpeed / FSDP, which "
+                             "shard gradients themselves. Train without them to use SCAPE.")
+        if self.accelerator.ddp_handler is not None:  # SCAPE reads and writes the gradients in DDP's buckets
+            self.accelerator.ddp_handler.gradient_as_bucket_view = True
+        self.add_callback(_AttachAtTrainBegin(self))
+
+    def attach_scape(self) -> None:
+        """Hook the DDP model and convert the optimizer, once they are prepared (before the first step)."""
+        if self.scape.accelerator is None:
+            self.scape.attach(self.accelerator, self.model_wrapped, self.optimizer)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        self.attach_scape()  # the checkpoint's optimizer state goes into the converted optimizer
+        super()._load_optimizer_and_scheduler(checkpoint)
+        if checkpoint is None:
+            return
+        path = os.path.join(checkpoint, SCAPE_STATE_NAME)
+        if os.path.isfile(path):
+            self.scape.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
+        elif self.scape.active:
+            warnings.warn(f"{checkpoint} has no {SCAPE_STATE_NAME} (saved without SCAPE, or save_only_model): SCAPE "
+                          "starts fresh, with its dense warm-up", stacklevel=2)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        if self.scape.optimizer is not None:  # every rank is here: the collectives are safe
+            if self.scape.active:  # sharded: rank 0's optimizer.pt then holds every shard
+                self.scape.optimizer.consolidate_state_dict(to=0)
+            full = self.scape.state_dict()
+            if self.args.should_save:
+                os.makedirs(output_dir, exist_ok=True)
+                torch.save(full, os.path.join(output_dir, SCAPE_STATE_NAME))
+        super()._save_optimizer_and_scheduler(output_dir)
+
+    def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
+        if self.scape.active and "loss" in logs:  # the training logs, not evaluation or the final metrics
+            stats = self.scape.stats()
+            logs.update({f"scape/{name}": float(stats[name]) for name in LOGGED})
+        super().log(logs, *args, **kwargs)
+
+
+class ScapeTrainer(ScapeTrainerMixin, Trainer):
+    """``transformers.Trainer`` with SCAPE: ``ScapeTrainer(..., scape=dict(sparsity=0.99))``; see :class:`ScapeTrainerMixin`."""
+
+
+class _AttachAtTrainBegin(TrainerCallback):
+    """The first point after the Trainer wrapped the model in DDP when it does not resume a checkpoint."""
+
+    def __init__(self, trainer: ScapeTrainerMixin) -> None:
+        self.trainer = trainer
+
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.trainer.attach_scape()
