@@ -126,7 +126,7 @@ class ScapePlugin:
         """SCAPE on a model and optimizer that ``accelerator.prepare`` already prepared; returns the optimizer.
 
         For frameworks that call ``accelerator.prepare`` themselves (``transformers.Trainer``:
-        use :class:`transformers_scape.ScapeTrainer`, which calls this): registers the hook on
+        use :class:`accelerate_scape.trainer.ScapeTrainer`, which calls this): registers the hook on
         the prepared DDP ``model`` and converts the optimizer inside ``optimizer`` in place, as
         :meth:`prepare` does, before its first step. A scheduler already built on it follows.
 

@@ -37,7 +37,7 @@ def check_first_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
     print(f"{NOT_ACTIVE}: its first optimizer step is a {type(optimizer).__module__}.{type(optimizer).__name__} "
           f"on {world} process(es), so gradients travel without SCAPE and the SCAPE_* settings are unused. "
           "Use accelerate_scape.ScapePlugin().prepare(accelerator, ...) instead of accelerator.prepare(...), "
-          "or transformers_scape.ScapeTrainer instead of transformers.Trainer.", file=sys.stderr, flush=True)
+          "or accelerate_scape.trainer.ScapeTrainer instead of transformers.Trainer.", file=sys.stderr, flush=True)
 
 
 _hooks: list[Any] = []

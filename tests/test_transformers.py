@@ -1,4 +1,4 @@
-"""transformers_scape: ScapeTrainer (and TRL's SFTTrainer through the mixin) on 2 gloo processes.
+"""accelerate_scape.trainer: ScapeTrainer (and TRL's SFTTrainer through the mixin) on 2 gloo processes.
 
 One spawn of 2 processes runs every 2-process training (transformers takes seconds to import),
 and the tests below read what each rank returned. The launch tests start this file itself
@@ -59,7 +59,7 @@ def training_args(out: Path, **overrides):
 
 def report(trainer) -> dict:
     """What a rank saw: parameters, momentum, optimizer, learning rates, SCAPE counters, logs."""
-    from transformers_scape import ScapeTrainer  # noqa: F401 - the package imports without lightning
+    from accelerate_scape.trainer import ScapeTrainer  # noqa: F401 - the package imports without lightning
 
     params = list(trainer.model.parameters())
     optimizer = trainer.optimizer.optimizer
@@ -83,7 +83,7 @@ def _trainings(rank: int, world: int, out: str) -> dict:
     """Every 2-process training the tests check, on one rank."""
     from transformers import TrainerCallback
 
-    from transformers_scape import ScapeTrainer
+    from accelerate_scape.trainer import ScapeTrainer
 
     class Steps(TrainerCallback):
         """Optimizer steps this train() call ran; SCAPE's counters at the end of the warm-up."""
@@ -139,7 +139,7 @@ def _sft(out: Path) -> dict:
     from transformers import PreTrainedTokenizerFast
     from trl import SFTConfig, SFTTrainer
 
-    from transformers_scape import ScapeTrainerMixin
+    from accelerate_scape.trainer import ScapeTrainerMixin
 
     class ScapeSFTTrainer(ScapeTrainerMixin, SFTTrainer):
         pass
@@ -168,7 +168,7 @@ def test_optimizer_is_scape_adams_with_both_parameter_groups(ranks):
     for r in ranks:
         assert r["full"]["optimizer"] == "ScapeAdamS"
         assert r["full"]["weight_decay"] == [0.0, 0.1]  # the Trainer's decay / no-decay groups
-        assert not r["full"]["lightning"]  # transformers_scape imports neither lightning nor lightning_scape
+        assert not r["full"]["lightning"]  # accelerate_scape.trainer imports neither lightning nor lightning_scape
 
 
 def test_lr_schedule_is_followed(ranks):
@@ -234,7 +234,7 @@ def test_trl_sft_trainer_through_the_mixin(ranks):
 
 
 def test_single_process_is_inactive_and_trains_with_adams(tmp_path):
-    from transformers_scape import SCAPE_STATE_NAME, ScapeTrainer
+    from accelerate_scape.trainer import SCAPE_STATE_NAME, ScapeTrainer
 
     trainer = ScapeTrainer(model=tiny_gpt2(), args=training_args(tmp_path, max_steps=2, save_steps=2),
                            train_dataset=Tokens(), scape=SPARSE)
@@ -250,7 +250,8 @@ def _launch(tmp_path: Path, mode: str, *flags: str) -> subprocess.CompletedProce
     exe = shutil.which("accelerate-scape")
     cli = [exe] if exe else [sys.executable, "-m", "accelerate_scape.cli"]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SCAPE_", "ACCELERATE_"))}
-    env.update(OMP_NUM_THREADS="1", HF_HOME=str(tmp_path / "hf"), PYTHONUNBUFFERED="1", ACCELERATE_USE_CPU="1")
+    env.update(OMP_NUM_THREADS="1", HF_HOME=str(tmp_path / "hf"), PYTHONUNBUFFERED="1", ACCELERATE_USE_CPU="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [str(HERE.parents[1]), os.environ.get("PYTHONPATH")])))  # tests.*
     cmd = cli + ["launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
                  "--dynamo_backend", "no", "--main_process_port", str(free_port()), *flags, str(HERE), mode,
                  str(tmp_path)]
@@ -284,7 +285,7 @@ def _script(mode: str, out: Path) -> None:
     """The launched script: a ScapeTrainer configured by the launcher, or a plain Trainer."""
     from transformers import Trainer
 
-    from transformers_scape import ScapeTrainer
+    from accelerate_scape.trainer import ScapeTrainer
 
     rank = int(os.environ["RANK"])
     # the Trainer's own DDP settings (find_unused_parameters=True for a PreTrainedModel), as a user's script has them

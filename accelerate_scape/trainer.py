@@ -1,4 +1,14 @@
-"""ScapeTrainer: ``transformers.Trainer`` with SCAPE sparse gradient communication.
+"""ScapeTrainer: ``transformers.Trainer`` (and its subclasses: TRL's SFTTrainer, ...) with SCAPE.
+
+    from accelerate_scape.trainer import ScapeTrainer      # needs transformers: pip install -e ".[transformers]"
+    trainer = ScapeTrainer(model=model, args=args, train_dataset=data, scape=dict(sparsity=0.99))
+    trainer.train()                                  # or trainer.train(resume_from_checkpoint=True)
+
+    class ScapeSFTTrainer(ScapeTrainerMixin, SFTTrainer): pass   # any other Trainer subclass
+
+It lives with the Accelerate adapter because the Trainer runs on Accelerate: what SCAPE does to
+the objects the Trainer prepared is :meth:`accelerate_scape.ScapePlugin.attach`. Not imported by
+``import accelerate_scape`` (transformers is optional).
 
 Why a subclass and not a ``TrainerCallback``: a callback is handed the unwrapped model, never
 the DDP module the comm hook goes on (``Trainer.model_wrapped``); on resume the Trainer loads
@@ -18,7 +28,7 @@ from typing import Any, Mapping
 import torch
 from transformers import Trainer, TrainerCallback
 
-from accelerate_scape import ScapePlugin
+from accelerate_scape.plugin import ScapePlugin
 
 SCAPE_STATE_NAME = "scape_state.pt"  # in each checkpoint-<step> folder, next to optimizer.pt
 LOGGED = ("compression", "bytes_sent", "dense_bytes", "skipped_steps")  # as lightning_scape logs them
@@ -27,7 +37,7 @@ _missing = [name for name in _OVERRIDDEN if not callable(getattr(Trainer, name, 
 if _missing:
     import transformers
 
-    raise ImportError(f"transformers_scape overrides Trainer.{', Trainer.'.join(_missing)}, which transformers "
+    raise ImportError(f"accelerate_scape.trainer overrides Trainer.{', Trainer.'.join(_missing)}, which transformers "
                       f"{transformers.__version__} does not have")
 
 
@@ -63,7 +73,7 @@ class ScapeTrainerMixin:
         *args, **kwargs: the Trainer's own.
 
     Example:
-        >>> from transformers_scape import ScapeTrainer                          # doctest: +SKIP
+        >>> from accelerate_scape.trainer import ScapeTrainer                       # doctest: +SKIP
         >>> trainer = ScapeTrainer(model=model, args=TrainingArguments("out", save_steps=100),
         ...                        train_dataset=data, scape=dict(sparsity=0.99))  # doctest: +SKIP
         >>> trainer.train(resume_from_checkpoint=True)                            # doctest: +SKIP
