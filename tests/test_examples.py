@@ -198,15 +198,16 @@ def test_gpt_finetune_lightning_end_to_end_with_baseline(tmp_path):
 
 
 @needs_data
-def test_ddp_hook_end_to_end(tmp_path):
+def test_ddp_hook_end_to_end_with_baseline(tmp_path):
     proc = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                "examples/ddp_hook.py", *TINY, "--out", str(tmp_path)])
+                "examples/ddp_hook.py", *TINY, "--baseline", "--out", str(tmp_path)], timeout=300)
     check_summary(tmp_path, proc.stdout)
+    check_baseline(tmp_path, proc.stdout)
     assert "state.stats()" in proc.stdout
 
 
 @needs_data
-def test_accelerate_gpt_end_to_end(tmp_path):
+def test_accelerate_gpt_end_to_end_with_baseline(tmp_path):
     from tests.dist import free_port
 
     cmd = [sys.executable, "-m", "accelerate_scape.cli", "launch", "--multi_gpu", "--num_processes", "2",
