@@ -8,9 +8,10 @@ machine set ``--num_processes`` to the GPUs)::
     accelerate-scape launch --multi_gpu --num_processes 2 --sparsity 0.95 examples/accelerate_gpt.py
     torchrun --standalone --nproc_per_node 2 examples/accelerate_gpt.py   # works too
 
-SCAPE's settings come from ``--sparsity`` / ``--warmup-steps`` given to this script, else from
-``accelerate-scape launch`` flags, ``SCAPE_*`` variables or ``scape_config.yaml``, else the defaults.
-Same data, model and other options as ``gpt_finetune.py``.
+SCAPE's settings come from ``--sparsity`` / ``--warmup-steps`` / ``--ramp-steps`` / ``--wire`` given
+to this script, else from ``accelerate-scape launch`` flags, ``SCAPE_*`` variables or
+``scape_config.yaml``, else the examples' defaults (0.99, 30, 90, auto: as ``gpt_finetune.py``).
+Same data, model and options as ``gpt_finetune.py`` (``--baseline`` too).
 """
 
 from __future__ import annotations
@@ -25,19 +26,21 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from accelerate_scape import ScapePlugin
-from common import (HelpFormatter, TokenBlocks, add_training_args, check_training_args, cosine_decay,
-                    count_parameters, evaluate, forever, load_model_and_corpus, next_token_loss, report)
+from accelerate_scape.settings import resolve_settings
+from common import (SCAPE_DEFAULTS, HelpFormatter, TokenBlocks, add_training_args, check_training_args, conclude,
+                    cosine_decay, count_parameters, evaluate, forever, load_model_and_corpus, next_token_loss,
+                    planned_runs, report)
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
-    add_training_args(p, out="runs/accelerate_gpt")
-    p.set_defaults(sparsity=None, warmup_steps=None, ramp_steps=None)  # unset: Accelerate-side settings decide
-    args = check_training_args(p, p.parse_args(argv))
+def scape_settings(args: argparse.Namespace) -> dict:
+    """This script's flags > ``accelerate-scape launch`` flags, ``SCAPE_*`` or ``scape_config.yaml`` > SCAPE_DEFAULTS."""
+    given = {name: getattr(args, name) for name in SCAPE_DEFAULTS if getattr(args, name) is not None}
+    sources = resolve_settings(given).sources
+    return {**{name: v for name, v in SCAPE_DEFAULTS.items() if sources[name] == "default"}, **given}
 
-    cuda = torch.cuda.is_available()
-    # cpu=True lets torchrun / `launch --multi_gpu` start several CPU processes (gloo) on a machine without GPUs
-    accelerator = Accelerator(cpu=not cuda, mixed_precision="bf16" if cuda and torch.cuda.is_bf16_supported() else "no")
+
+def train(args: argparse.Namespace, accelerator: Accelerator) -> dict:
+    """One run (the main process returns its summary, the others ``{}``)."""
     set_seed(args.seed)
     model, corpus = load_model_and_corpus(args.model, args.block_size, args.data)
     train = DataLoader(TokenBlocks(corpus.train, args.block_size), batch_size=args.batch_size, shuffle=True,
@@ -48,12 +51,11 @@ def main(argv: list[str] | None = None) -> None:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_decay(args.max_steps * accelerator.num_processes))
 
     # --- SCAPE: the plugin prepares everything and turns AdamW into ScapeAdamS ---
-    given = dict(sparsity=args.sparsity, warmup_steps=args.warmup_steps, ramp_steps=args.ramp_steps, wire=args.wire)
-    scape = ScapePlugin(**{k: v for k, v in given.items() if v is not None})
+    scape = ScapePlugin(**scape_settings(args))
     model, optimizer, train, val, scheduler = scape.prepare(accelerator, model, optimizer, train, val, scheduler)
     # ---------------------------------------------------------------------------
-    args.sparsity, args.warmup_steps, args.ramp_steps, args.wire = (
-        scape.config.sparsity, scape.config.warmup_steps, scape.config.ramp_steps, scape.config.wire)  # as resolved
+    for name in SCAPE_DEFAULTS:  # as resolved, for the summary
+        setattr(args, name, getattr(scape.config, name))
 
     if not scape.active:
         accelerator.print("one process: SCAPE has nothing to communicate. Launch several, e.g. "
@@ -63,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     accelerator.print(f"{args.model}: {count_parameters(unwrapped) / 1e6:.1f}M parameters, "
                       f"{accelerator.num_processes} processes; val loss {before:.3f}")
     batches = forever(train)
-    seconds, warmup_stats, train_curve, val_curve = 0.0, None, [], [(0, before)]
+    seconds, warmup_stats, train_curve, val_curve = 0.0, None, [], [(0, before, 0.0)]
     bar = tqdm(range(1, args.max_steps + 1), disable=not accelerator.is_main_process, desc="training")
     for step in bar:
         x, y = next(batches)
@@ -79,16 +81,29 @@ def main(argv: list[str] | None = None) -> None:
         if step == args.warmup_steps:
             warmup_stats = scape.stats()
         if step % args.val_every == 0 or step == args.max_steps:
-            val_loss = evaluate(unwrapped, val, args.val_batches)
-            val_curve.append((step, val_loss))
+            val_loss, stats = evaluate(unwrapped, val, args.val_batches), scape.stats()
+            val_curve.append((step, val_loss, stats.get("bytes_sent", 0.0)))
             bar.set_postfix(loss=f"{loss.item():.3f}", val_loss=f"{val_loss:.3f}",
-                            compression=f"{scape.stats().get('compression', 1.0):.1f}x")
+                            compression=f"{stats.get('compression', 1.0):.1f}x")
+    bar.close()
+    if not accelerator.is_main_process:
+        return {}
+    return report(args, how="with Accelerate", model=unwrapped, source=corpus.source, device=accelerator.device.type,
+                  world_size=accelerator.num_processes, val_before=before, val_after=val_loss, seconds=seconds,
+                  train_curve=train_curve, val_curve=val_curve, stats=scape.stats() or None, warmup_stats=warmup_stats)
 
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
+    add_training_args(p, out="runs/accelerate_gpt")
+    args = check_training_args(p, p.parse_args(argv), fill_scape=False)  # unset: Accelerate-side settings decide
+
+    cuda = torch.cuda.is_available()
+    # cpu=True lets torchrun / `launch --multi_gpu` start several CPU processes (gloo) on a machine without GPUs
+    accelerator = Accelerator(cpu=not cuda, mixed_precision="bf16" if cuda and torch.cuda.is_bf16_supported() else "no")
+    results = [train(run, accelerator) for run in planned_runs(args)]  # --baseline: dense DDP + AdamS first
     if accelerator.is_main_process:
-        bar.close()
-        report(args, how="with Accelerate", model=unwrapped, source=corpus.source, device=accelerator.device.type,
-               world_size=accelerator.num_processes, val_before=before, val_after=val_loss, seconds=seconds,
-               train_curve=train_curve, val_curve=val_curve, stats=scape.stats() or None, warmup_stats=warmup_stats)
+        conclude(results, args.out)
     accelerator.end_training()
 
 

@@ -196,20 +196,34 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return text
 
 
+# The SCAPE settings every example defaults to (the core's are 0.9 / 50 / 150: a longer run's)
+SCAPE_DEFAULTS = {"sparsity": 0.99, "warmup_steps": 30, "ramp_steps": 90, "wire": "auto"}
+
+
 def add_training_args(p: argparse.ArgumentParser, out: str) -> None:
-    """The options every example takes (model, data, SCAPE, steps, sizes, lr, validation, output)."""
+    """The options every example takes (model, data, SCAPE, steps, sizes, lr, validation, output).
+
+    The SCAPE options parse to ``None`` when not given (so Accelerate's own settings can fill
+    them); :func:`check_training_args` fills them from :data:`SCAPE_DEFAULTS`.
+    """
     p.add_argument("--model", default=SCRATCH,
                    help=f"{SCRATCH!r} (a small GPT-2 from scratch), {SMOLLM2!r} (pretrained, offline), "
                         "or a Hugging Face hub name (online)")
     p.add_argument("--data", default=None, help="a UTF-8 text file to train on, its last 10%% validates "
                                                 "(default: tiny Shakespeare)")
-    p.add_argument("--sparsity", type=float, default=0.99, help="share of dense DDP's bytes NOT sent on a sparse step")
-    p.add_argument("--warmup-steps", type=int, default=30, help="dense steps before sparse communication")
-    p.add_argument("--wire", default=None, choices=WIRES,
-                   help="how sparse steps send values: auto (the default: int4 from sparsity 0.97 up, int8 from "
-                        "0.95, native below), native, bfloat16, int8, int4 (same bytes, more coordinates)")
-    p.add_argument("--ramp-steps", type=int, default=90,
-                   help="steps after the warm-up with denser masks (25%%, 6.25%%, 1.6%% density), 0 for none")
+    p.add_argument("--sparsity", type=float, help="share of dense DDP's bytes NOT sent on a sparse step; 0 = dense "
+                                                  f"DDP + AdamS (default: {SCAPE_DEFAULTS['sparsity']})")
+    p.add_argument("--warmup-steps", type=int, help="dense steps before sparse communication "
+                                                    f"(default: {SCAPE_DEFAULTS['warmup_steps']})")
+    p.add_argument("--wire", choices=WIRES,
+                   help="how sparse steps send values: auto (int4 from sparsity 0.97 up, int8 from 0.95, native "
+                        "below), native, bfloat16, int8, int4 (same bytes, more coordinates) (default: auto)")
+    p.add_argument("--ramp-steps", type=int,
+                   help="steps after the warm-up with denser masks (25%%, 6.25%%, 1.6%% density), 0 for none "
+                        f"(default: {SCAPE_DEFAULTS['ramp_steps']})")
+    p.add_argument("--baseline", action="store_true",
+                   help="first train the same run as dense DDP + AdamS (--sparsity 0, into OUT/dense), then draw "
+                        "both runs on the same loss curves")
     p.add_argument("--max-steps", type=int, default=300, help="optimizer steps")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per process per step")
     p.add_argument("--block-size", type=int, default=128, help="tokens per sequence")
@@ -223,8 +237,10 @@ def add_training_args(p: argparse.ArgumentParser, out: str) -> None:
     p.add_argument("--out", default=out, help="folder for the loss curve, logs and summary.json")
 
 
-def check_training_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
-    """Reject bad values naming the option; fill the model-dependent learning rate."""
+def check_training_args(p: argparse.ArgumentParser, args: argparse.Namespace,
+                        fill_scape: bool = True) -> argparse.Namespace:
+    """Reject bad values naming the option; fill the model-dependent learning rate and, unless
+    ``fill_scape`` is false, the SCAPE options not given from :data:`SCAPE_DEFAULTS`."""
     for name in ("max_steps", "batch_size", "block_size", "val_every"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -236,6 +252,10 @@ def check_training_args(p: argparse.ArgumentParser, args: argparse.Namespace) ->
         p.error(f"--ramp-steps must be >= 0, got {args.ramp_steps}")
     if args.sparsity is not None and not 0.0 <= args.sparsity < 1.0:
         p.error(f"--sparsity must be in [0, 1), got {args.sparsity}")
+    if fill_scape:
+        for name, default in SCAPE_DEFAULTS.items():
+            if getattr(args, name) is None:
+                setattr(args, name, default)
     if args.sparsity is not None and args.wire is not None:
         try:
             ScapeConfig(sparsity=args.sparsity, wire=args.wire)
@@ -246,6 +266,18 @@ def check_training_args(p: argparse.ArgumentParser, args: argparse.Namespace) ->
     elif args.lr <= 0:
         p.error(f"--lr must be > 0, got {args.lr}")
     return args
+
+
+def planned_runs(args: argparse.Namespace) -> list[argparse.Namespace]:
+    """The runs one command trains: with ``--baseline``, dense DDP + AdamS first (into OUT/dense).
+
+    Example:
+        >>> [(a.sparsity, a.out) for a in planned_runs(argparse.Namespace(baseline=True, sparsity=0.99, out="r"))]
+        [(0.0, 'r/dense'), (0.99, 'r')]
+    """
+    if not args.baseline or args.sparsity == 0:
+        return [args]
+    return [argparse.Namespace(**{**vars(args), "sparsity": 0.0, "out": str(Path(args.out) / "dense")}), args]
 
 
 def cosine_decay(max_steps: int) -> Callable[[int], float]:
@@ -300,9 +332,13 @@ def megabytes(n: float) -> str:
     return f"{n / 1e6:,.1f} MB" if n >= 1e5 else f"{n / 1e3:,.1f} kB"
 
 
+def share(sent: float, dense: float) -> str:
+    """Bytes sent as a share of dense DDP's: ``1.26% of dense (79.3x fewer)``."""
+    return f"{100 * sent / max(dense, 1):.2f}% of dense ({dense / max(sent, 1):.1f}x fewer)"
+
+
 def summary(*, title: str, val_before: float, val_after: float, tokens: int, seconds: float,
-            stats: dict[str, float] | None, warmup_stats: dict[str, float] | None = None,
-            plot: str | None = None) -> str:
+            stats: dict[str, float] | None, warmup_stats: dict[str, float] | None = None) -> str:
     """The closing report: validation loss/perplexity before and after, speed, bytes on the wire.
 
     ``stats`` is ``ScapeState.stats()`` at the end (``None`` for a run without SCAPE);
@@ -323,33 +359,91 @@ def summary(*, title: str, val_before: float, val_after: float, tokens: int, sec
             lines.append(f"    dense warm-up   {megabytes(warmup_stats['bytes_sent'])} in "
                          f"{plural(warmup_stats['steps'])}")
             masks = stats["mask_bytes"] - warmup_stats["mask_bytes"]  # 0 with a replicated score: each rank selects
-            lines.append(f"    sparse steps    {megabytes(sent)} vs {megabytes(dense)} dense in "
-                         f"{plural(stats['steps'] - warmup_stats['steps'])}: {dense / max(sent, 1):.1f}x"
-                         + (f" (masks {megabytes(masks)} of it)" if masks else " (values only: no mask bytes)"))
-    if plot:
-        lines.append(f"  loss curve        {plot}")
+            lines.append(f"    sparse steps    {megabytes(sent)} in {plural(stats['steps'] - warmup_stats['steps'])}: "
+                         f"{share(sent, dense)}"
+                         + (f", masks {megabytes(masks)} of it" if masks else ", values only: no mask bytes"))
     return "\n".join(lines)
 
 
-def plot_loss_curve(path: str | os.PathLike, train: list[tuple[int, float]], val: list[tuple[int, float]],
-                    warmup_steps: int | None = None, title: str = "") -> str:
-    """Write train loss per step and validation loss (markers) to a PNG; returns its path."""
+def describe_scape(args: argparse.Namespace) -> str:
+    """``sparsity 0.99 (int4 values) after 30 dense warm-up steps`` (or the dense baseline), for titles."""
+    if not args.sparsity:
+        return "sparsity 0 (dense DDP + AdamS)"
+    ramp = f" and a {args.ramp_steps}-step ramp" if args.ramp_steps else ""
+    wire = ScapeConfig(sparsity=args.sparsity, wire=args.wire).resolved_wire
+    values = "" if wire == "native" else f" ({wire} values)"
+    return f"sparsity {args.sparsity}{values} after {plural(args.warmup_steps, 'dense warm-up step')}{ramp}"
+
+
+def run_label(result: dict) -> str:
+    """``SCAPE 99% (int4)`` or ``dense DDP + AdamS``: a run's name in plots."""
+    if not result["sparsity"]:
+        return "dense DDP + AdamS"
+    wire = "" if result["wire"] == "native" else f" ({result['wire']})"
+    return f"SCAPE {100 * result['sparsity']:g}%{wire}"
+
+
+def report(args: argparse.Namespace, *, how: str, model: nn.Module, source: str, world_size: int, device: str,
+           val_before: float, val_after: float, seconds: float, train_curve: list[tuple[int, float]],
+           val_curve: list[tuple[int, float, float]], stats: dict[str, float] | None,
+           warmup_stats: dict[str, float] | None = None) -> dict:
+    """Rank 0's ending of one run: the printed summary and ``summary.json`` in ``args.out``.
+
+    ``val_curve`` holds ``(step, validation loss, bytes this rank had sent by then)``.
+    """
+    title = (f"SCAPE {how}: {args.model} ({count_parameters(model) / 1e6:.1f}M parameters) on {source}, "
+             f"{world_size} x {device}, {describe_scape(args)}")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    steps = len(train_curve)
+    tokens = steps * args.batch_size * args.block_size * world_size
+    sparse = args.sparsity > 0 and stats is not None
+    warmup_stats = warmup_stats if sparse else None  # all steps dense: no split to show
+    print("\n" + summary(title=title, val_before=val_before, val_after=val_after, tokens=tokens, seconds=seconds,
+                         stats=stats, warmup_stats=warmup_stats), flush=True)
+    config = ScapeConfig(sparsity=args.sparsity, wire=args.wire)
+    result = dict(vars(args), wire=config.resolved_wire, density=config.density, world_size=world_size,
+                  parameters=count_parameters(model), steps=steps, val_loss_before=val_before,
+                  val_loss_after=val_after, val_ppl_before=math.exp(val_before), val_ppl_after=math.exp(val_after),
+                  tokens=tokens, train_seconds=seconds, tokens_per_second=tokens / seconds,
+                  bytes_sent=stats["bytes_sent"] if stats else None,
+                  dense_bytes=stats["dense_bytes"] if stats else None,
+                  scape=stats, scape_after_warmup=warmup_stats,
+                  val_curve=[list(point) for point in val_curve], train_curve=[list(point) for point in train_curve])
+    (out / "summary.json").write_text(json.dumps(result, indent=2))
+    return result
+
+
+def plot_runs(path: str | os.PathLike, results: list[dict], title: str = "") -> str:
+    """Validation loss of each run against steps (left) and megabytes sent per rank (right); the PNG's path.
+
+    ``results`` are :func:`report`'s dictionaries (or ``summary.json`` files read back); the
+    first SCAPE run's dense warm-up is marked on the left.
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=120)
-    if train:
-        ax.plot(*zip(*train), lw=0.8, alpha=0.7, label="train loss (rank 0)")
-    if val:
-        ax.plot(*zip(*val), "o-", color="C3", label="validation loss")
-    if warmup_steps:
-        ax.axvline(warmup_steps, color="grey", ls="--", lw=0.8)
-        ax.text(warmup_steps, ax.get_ylim()[1], " sparse from here", va="top", fontsize=8, color="grey")
-    ax.set(xlabel="optimizer step", ylabel="cross-entropy (nats/token)", title=title)
-    ax.grid(alpha=0.3)
-    ax.legend()
+    fig, (by_step, by_bytes) = plt.subplots(1, 2, figsize=(11, 4.2), dpi=120, sharey=True)
+    for i, result in enumerate(results):
+        color, label = f"C{i}", run_label(result)
+        steps, losses, sent = zip(*result["val_curve"])
+        by_step.plot(*zip(*result["train_curve"]), lw=0.6, alpha=0.35, color=color)
+        by_step.plot(steps, losses, "o-", color=color, label=f"{label}: validation")
+        by_bytes.plot([b / 1e6 for b in sent], losses, "o-", color=color, label=label)
+    sparse = [r for r in results if r["sparsity"]]
+    if sparse and sparse[0]["warmup_steps"]:
+        by_step.axvline(sparse[0]["warmup_steps"], color="grey", ls="--", lw=0.8)
+        by_step.text(sparse[0]["warmup_steps"], 0.02, " SCAPE sparse from here", transform=by_step.get_xaxis_transform(),
+                     va="bottom", fontsize=8, color="grey")
+    by_step.plot([], [], lw=0.6, color="grey", alpha=0.6, label="train loss (rank 0)")
+    by_step.set(xlabel="optimizer step", ylabel="cross-entropy (nats/token)")
+    by_bytes.set(xlabel="MB sent per rank (gradient communication)")
+    for ax in (by_step, by_bytes):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)
@@ -357,35 +451,23 @@ def plot_loss_curve(path: str | os.PathLike, train: list[tuple[int, float]], val
     return str(path)
 
 
-def describe_scape(args: argparse.Namespace) -> str:
-    """``sparsity 0.99 after 30 dense warm-up steps`` (or the dense baseline), for titles."""
-    if not args.sparsity:
-        return "sparsity 0 (dense DDP + AdamS)"
-    ramp = f" and a {args.ramp_steps}-step ramp" if args.ramp_steps else ""
-    wire = ScapeConfig(sparsity=args.sparsity, wire=args.wire or "auto").resolved_wire
-    values = "" if wire == "native" else f" ({wire} values)"
-    return f"sparsity {args.sparsity}{values} after {plural(args.warmup_steps, 'dense warm-up step')}{ramp}"
+def conclude(results: list[dict], out: str | os.PathLike) -> str:
+    """After every run of a command: the loss-curve PNG in ``out`` and, with a baseline, the comparison.
 
-
-def report(args: argparse.Namespace, *, how: str, model: nn.Module, source: str, world_size: int, device: str,
-           val_before: float, val_after: float, seconds: float, train_curve: list[tuple[int, float]],
-           val_curve: list[tuple[int, float]], stats: dict[str, float] | None,
-           warmup_stats: dict[str, float] | None = None) -> dict:
-    """Rank 0's ending: the loss-curve PNG, the printed summary, and ``summary.json`` in ``args.out``."""
-    title = (f"SCAPE {how}: {args.model} ({count_parameters(model) / 1e6:.1f}M parameters) on {source}, "
-             f"{world_size} x {device}, {describe_scape(args)}")
-    out = Path(args.out)
-    steps = len(train_curve)
-    tokens = steps * args.batch_size * args.block_size * world_size
-    sparse = args.sparsity > 0 and stats is not None
-    warmup_stats = warmup_stats if sparse else None  # all steps dense: no split to show
-    png = plot_loss_curve(out / "loss_curve.png", train_curve, val_curve, args.warmup_steps if sparse else None,
-                          title=f"{args.model}, {world_size} ranks, {describe_scape(args)}")
-    print("\n" + summary(title=title, val_before=val_before, val_after=val_after, tokens=tokens, seconds=seconds,
-                         stats=stats, warmup_stats=warmup_stats, plot=png), flush=True)
-    result = dict(vars(args), world_size=world_size, steps=steps, val_loss_before=val_before,
-                  val_loss_after=val_after, val_ppl_before=math.exp(val_before), val_ppl_after=math.exp(val_after),
-                  tokens=tokens, train_seconds=seconds, tokens_per_second=tokens / seconds,
-                  scape=stats, scape_after_warmup=warmup_stats)
-    (out / "summary.json").write_text(json.dumps(result, indent=2))
-    return result
+    Returns the lines it printed.
+    """
+    last = results[-1]
+    what = " vs ".join(run_label(r) for r in reversed(results))  # SCAPE first
+    title = (f"{what}: {last['model']} ({last['parameters'] / 1e6:.1f}M parameters), {last['world_size']} ranks, "
+             f"{plural(last['steps'])}")
+    png = plot_runs(Path(out) / "loss_curve.png", results, title=title)
+    lines = []
+    if len(results) > 1:
+        dense, scape = results
+        lines += [f"\n{run_label(scape)} vs {run_label(dense)} (the same {plural(scape['steps'])}, seed {scape['seed']})",
+                  f"  validation loss   {scape['val_loss_after']:.3f} vs {dense['val_loss_after']:.3f}",
+                  f"  sent per rank     {megabytes(scape['bytes_sent'])} vs {megabytes(dense['bytes_sent'])}",
+                  f"  training time     {scape['train_seconds']:.1f} s vs {dense['train_seconds']:.1f} s"]
+    lines.append(f"  loss curves       {png}")
+    print("\n".join(lines), flush=True)
+    return "\n".join(lines)

@@ -4,13 +4,15 @@
 Offline, on 2 CPU processes, in a few minutes (on GPUs, the same command uses them)::
 
     python examples/gpt_finetune.py                                  # small GPT, tiny Shakespeare
-    python examples/gpt_finetune.py --sparsity 0                     # the dense baseline, for contrast
+    python examples/gpt_finetune.py --baseline                       # and dense DDP + AdamS, on the same plot
+    python examples/gpt_finetune.py --sparsity 0                     # the dense baseline alone
     python examples/gpt_finetune.py --model smollm2-135m --max-steps 40 --batch-size 4 --val-batches 8
     python examples/gpt_finetune.py --model gpt2 --data my_notes.txt # any hub model, when online
     torchrun --nnodes 2 --nproc-per-node 2 ... examples/gpt_finetune.py --num-nodes 2   # on each of 2 machines
 
 It validates (perplexity) before and after, then prints validation loss and perplexity, tokens/s,
-the bytes each rank sent against what dense DDP would have sent, and writes a loss-curve PNG.
+the bytes each rank sent against what dense DDP would have sent, and writes ``summary.json`` and
+a PNG of validation loss against steps and bytes sent (with ``--baseline``, both runs).
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ from torchmetrics.text import Perplexity
 
 import lightning_scape  # registers Trainer(strategy="scape"); ScapeStrategy(...) picks the settings
 
-from common import (HelpFormatter, TokenBlocks, add_training_args, check_training_args, cosine_decay,
-                    load_model_and_corpus, next_token_loss, report)
+from common import (HelpFormatter, TokenBlocks, add_training_args, check_training_args, conclude, cosine_decay,
+                    load_model_and_corpus, next_token_loss, planned_runs, report)
 from scape_core import AdamS
 
 
@@ -65,12 +67,12 @@ class CausalLM(pl.LightningModule):
 
 
 class Recorder(pl.Callback):
-    """Rank 0's loss curve, the time spent in training steps, and SCAPE's bytes after warm-up."""
+    """Rank 0's loss curve, the time spent in training steps, SCAPE's bytes after warm-up and at each validation."""
 
     def __init__(self, warmup_steps: int) -> None:
         self.warmup_steps = warmup_steps
         self.train: list[tuple[int, float]] = []
-        self.val: dict[int, float] = {}
+        self.val: dict[int, tuple[float, float]] = {}  # step -> (validation loss, bytes sent so far)
         self.seconds = 0.0
         self.warmup_stats: dict[str, float] | None = None
 
@@ -85,20 +87,8 @@ class Recorder(pl.Callback):
 
     def on_validation_end(self, trainer, module) -> None:
         if not trainer.sanity_checking:
-            self.val[trainer.global_step] = float(trainer.callback_metrics["val_loss"])
-
-
-class ProgressBar(pl.callbacks.TQDMProgressBar):
-    """Lightning's bar, showing SCAPE's compression so far instead of its raw byte counters."""
-
-    def get_metrics(self, trainer, module) -> dict:
-        metrics = super().get_metrics(trainer, module)
-        compression = metrics.pop("scape/compression", None)
-        for name in ("v_num", "scape/bytes_sent", "scape/dense_bytes", "scape/skipped_steps"):
-            metrics.pop(name, None)
-        if compression is not None:
-            metrics["compression"] = f"{float(compression):.1f}x"
-        return metrics
+            sent = (scape_stats(trainer) or {}).get("bytes_sent", 0.0)
+            self.val[trainer.global_step] = (float(trainer.callback_metrics["val_loss"]), sent)
 
 
 def scape_stats(trainer: pl.Trainer) -> dict[str, float] | None:
@@ -129,11 +119,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> dict:
-    args = parse_args(argv)
-    for noise in (".*does not have many workers.*", ".*LeafSpec.*", ".*sync_dist=True.*",
-                  ".*Using `DistributedSampler` with the dataloaders.*"):
-        warnings.filterwarnings("ignore", noise)
+def train(args: argparse.Namespace) -> dict:
+    """One run (rank 0 returns its summary, the other ranks ``{}``)."""
     pl.seed_everything(args.seed, verbose=False)
     model, corpus = load_model_and_corpus(args.model, args.block_size, args.data)
     train = DataLoader(TokenBlocks(corpus.train, args.block_size), batch_size=args.batch_size, shuffle=True,
@@ -145,26 +132,37 @@ def main(argv: list[str] | None = None) -> dict:
     trainer = pl.Trainer(
         accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes,
         strategy=lightning_scape.ScapeStrategy(sparsity=args.sparsity, warmup_steps=args.warmup_steps,
-                                                ramp_steps=args.ramp_steps, wire=args.wire or "auto"),
+                                                ramp_steps=args.ramp_steps, wire=args.wire),
         max_steps=args.max_steps, max_epochs=math.ceil(args.max_steps / max(steps_per_epoch, 1)),
         val_check_interval=args.val_every, check_val_every_n_epoch=None,
-        limit_val_batches=args.val_batches, num_sanity_val_steps=0, callbacks=[recorder, ProgressBar()],
+        limit_val_batches=args.val_batches, num_sanity_val_steps=0, callbacks=[recorder],
         logger=pl.loggers.CSVLogger(args.out, name="logs"), log_every_n_steps=10, enable_checkpointing=False,
         precision="bf16-mixed" if on_gpu(args) and torch.cuda.is_bf16_supported() else "32-true",
     )
     before = trainer.validate(module, val, verbose=False)[0]["val_loss"]
     trainer.fit(module, train, val)
-    after = recorder.val.get(trainer.global_step)  # the last step validated already (on every rank)?
-    if after is None:
-        after = trainer.validate(module, val, verbose=False)[0]["val_loss"]
+    if trainer.global_step not in recorder.val:  # the last step was not validated yet (on every rank)
+        trainer.validate(module, val, verbose=False)
     if not trainer.is_global_zero:
         return {}
 
     device = trainer.accelerator.__class__.__name__.replace("Accelerator", "").lower()
+    val_curve = [(step, loss, sent) for step, (loss, sent) in sorted(recorder.val.items())]
     return report(args, how="with Lightning", model=model, source=corpus.source, world_size=trainer.world_size,
-                  device=device, val_before=before, val_after=after,
-                  seconds=recorder.seconds, train_curve=recorder.train, val_curve=sorted(recorder.val.items()),
+                  device=device, val_before=before, val_after=val_curve[-1][1],
+                  seconds=recorder.seconds, train_curve=recorder.train, val_curve=val_curve,
                   stats=scape_stats(trainer), warmup_stats=recorder.warmup_stats)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    for noise in (".*does not have many workers.*", ".*LeafSpec.*", ".*sync_dist=True.*",
+                  ".*Using `DistributedSampler` with the dataloaders.*"):
+        warnings.filterwarnings("ignore", noise)
+    results = [train(run) for run in planned_runs(args)]  # --baseline: dense DDP + AdamS first
+    if results[-1]:  # rank 0
+        conclude(results, args.out)
+    return results
 
 
 if __name__ == "__main__":

@@ -44,10 +44,19 @@ def check_precision(plugin: Any) -> None:
         raise ValueError(f"SCAPE supports precision {PRECISIONS}, got {precision!r} ({type(plugin).__name__})")
 
 
-def scape_metrics(state: ScapeState) -> dict[str, float]:
+def scape_metrics(stats: dict[str, float]) -> dict[str, float]:
     """``scape/<counter>`` for the logged counters (cumulative on this rank since the run began)."""
-    stats = state.stats()
     return {f"scape/{name}": float(stats[name]) for name in LOGGED}
+
+
+def progress_bar_text(stats: dict[str, float]) -> dict[str, str]:
+    """What the progress bar shows of SCAPE, formatted (the loggers get :func:`scape_metrics`' raw numbers).
+
+    Example:
+        >>> progress_bar_text({"compression": 9.04, "bytes_sent": 308.4e6})
+        {'scape/compression': '9.0x', 'scape/sent': '308.4 MB'}
+    """
+    return {"scape/compression": f"{stats['compression']:.1f}x", "scape/sent": f"{stats['bytes_sent'] / 1e6:,.1f} MB"}
 
 
 class ScapeStrategyMixin:
@@ -128,7 +137,10 @@ class TrainerStrategyMixin(ScapeStrategyMixin):
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         self._check_hook_ran()
-        self.lightning_module.log_dict(scape_metrics(self.scape_state), prog_bar=True, on_step=True, on_epoch=False)
+        stats = self.scape_state.stats()
+        self.lightning_module.log_dict(scape_metrics(stats), on_step=True, on_epoch=False)
+        # the bar takes text as it is (self.log takes numbers only, which bars print as 1753920.000)
+        self.lightning_module.trainer.progress_bar_metrics.update(progress_bar_text(stats))
         return output
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:

@@ -26,7 +26,8 @@ class ScapeStrategy(TrainerStrategyMixin, DDPStrategy):
     (bit-for-bit at the same world size; a sharded optimizer is consolidated on rank 0 first, as
     ``ZeroRedundancyOptimizer``, so the checkpoint holds its whole state), and logs
     ``scape/bytes_sent``, ``scape/dense_bytes``, ``scape/compression`` and ``scape/skipped_steps``
-    (cumulative, this rank) to the loggers and the progress bar. ``accumulate_grad_batches`` and ``gradient_clip_val`` work as usual;
+    (cumulative, this rank) to the loggers; the progress bar shows ``scape/compression`` as
+    ``9.0x`` and ``scape/sent`` in MB. ``accumulate_grad_batches`` and ``gradient_clip_val`` work as usual;
     precision ``32-true``, ``bf16-mixed`` and ``bf16-true`` are supported, ``16-mixed`` is refused
     (its loss scaler skips optimizer steps). One optimizer only.
 

@@ -1,4 +1,4 @@
-"""SCAPE's arithmetic, transcribed from the contract (SCAPE_ALGORITHM.md) in float64.
+"""SCAPE's arithmetic, transcribed from the contract (docs/algorithm.md) in float64.
 
 Nothing here imports ``scape_core``: these functions state what one optimizer step must do, so
 the tests can hold the core to them. Coordinates are flat float64 tensors; ``j`` in a mask is a

@@ -35,6 +35,11 @@ def check_summary(out: Path, stdout: str, steps: int = 6) -> dict:
     """What every example must leave behind: a summary that shows learning and compression."""
     result = json.loads((out / "summary.json").read_text())
     assert result["steps"] == steps and result["world_size"] == 2
+    assert result["wire"] == "native" and result["density"] == pytest.approx(0.1)  # what ran, resolved
+    assert result["bytes_sent"] == result["scape"]["bytes_sent"] and result["dense_bytes"] > result["bytes_sent"]
+    assert [point[0] for point in result["val_curve"]] == [0, 3, 6]  # (step, val loss, bytes sent by then)
+    assert result["val_curve"][0][2] == 0 and result["val_curve"][-1][2] == result["bytes_sent"]
+    assert result["val_curve"][-1][1] == result["val_loss_after"]
     assert result["val_loss_after"] < result["val_loss_before"] - 0.1  # from ln(11k) ~ 9.3: a clear drop
     assert result["tokens"] == steps * 2 * 32 * 2 and result["tokens_per_second"] > 0
     scape = result["scape"]
@@ -46,9 +51,20 @@ def check_summary(out: Path, stdout: str, steps: int = 6) -> dict:
     sparse = (scape["dense_bytes"] - warm["dense_bytes"]) / (scape["bytes_sent"] - warm["bytes_sent"])
     assert 5 < sparse < 10
     assert (out / "loss_curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-    for line in ("validation loss", "tokens/s", "vs dense DDP", "compression", "sparse steps"):
+    for line in ("validation loss", "tokens/s", "vs dense DDP", "compression", "sparse steps", "% of dense"):
         assert line in stdout
     return result
+
+
+def check_baseline(out: Path, stdout: str) -> None:
+    """``--baseline``: the dense run's summary beside the SCAPE run's, both in one plot."""
+    dense = json.loads((out / "dense" / "summary.json").read_text())
+    scape = json.loads((out / "summary.json").read_text())
+    assert dense["sparsity"] == 0 and dense["wire"] == "native" and dense["density"] == 1.0
+    assert dense["bytes_sent"] == dense["dense_bytes"] == scape["dense_bytes"]  # the same model, every step dense
+    assert dense["val_loss_before"] == pytest.approx(scape["val_loss_before"], rel=1e-5)  # the same initial weights
+    assert "SCAPE 90% vs dense DDP + AdamS (the same 6 steps, seed 0)" in stdout
+    assert stdout.index("sparsity 0 (dense DDP + AdamS)") < stdout.index("sparsity 0.9 after")  # dense first
 
 
 # ----- the shared data code ------------------------------------------------------------------------
@@ -122,47 +138,84 @@ def test_dense_report_says_dense_and_shows_no_sparse_split(tmp_path, capsys):
     import argparse
 
     args = argparse.Namespace(model="scratch", sparsity=0.0, warmup_steps=30, batch_size=2, block_size=8,
-                              out=str(tmp_path))
+                              wire="auto", seed=0, out=str(tmp_path))
     stats = dict(steps=2, bytes_sent=800, dense_bytes=800, mask_bytes=0, compression=1.0)
     result = common.report(args, how="test", model=torch.nn.Linear(3, 2), source="text", world_size=2,
                            device="cpu", val_before=2.0, val_after=1.0, seconds=0.5,
-                           train_curve=[(1, 2.0), (2, 1.5)], val_curve=[(0, 2.0), (2, 1.0)],
+                           train_curve=[(1, 2.0), (2, 1.5)], val_curve=[(0, 2.0, 0), (2, 1.0, 800)],
                            stats=stats, warmup_stats=dict(stats))
+    common.conclude([result], tmp_path)
     out = capsys.readouterr().out
     assert "sparsity 0 (dense DDP + AdamS)" in out and "compression 1.0x" in out and "sparse steps" not in out
     assert "perplexity 7.4 -> 2.7" in out  # exp(2), exp(1)
     assert result["tokens"] == 2 * 2 * 8 * 2 and result["tokens_per_second"] == 128.0
-    assert json.loads((tmp_path / "summary.json").read_text())["val_loss_after"] == 1.0
+    saved = json.loads((tmp_path / "summary.json").read_text())
+    assert saved["val_loss_after"] == 1.0 and saved["wire"] == "native" and saved["density"] == 1.0
     assert (tmp_path / "loss_curve.png").stat().st_size > 1000
+
+
+def test_the_examples_share_their_options_and_defaults(monkeypatch, tmp_path):
+    import argparse
+
+    p = argparse.ArgumentParser()
+    common.add_training_args(p, out="runs/x")
+    args = common.check_training_args(p, p.parse_args([]))
+    assert {k: getattr(args, k) for k in common.SCAPE_DEFAULTS} == common.SCAPE_DEFAULTS
+    assert common.SCAPE_DEFAULTS == {"sparsity": 0.99, "warmup_steps": 30, "ramp_steps": 90, "wire": "auto"}
+    # Accelerate: the same defaults when neither its flags, SCAPE_* nor scape_config.yaml say otherwise
+    import accelerate_gpt
+
+    monkeypatch.setenv("HF_HOME", str(tmp_path))  # no scape_config.yaml there
+    for name in [k for k in os.environ if k.startswith("SCAPE_")]:
+        monkeypatch.delenv(name)
+    unset = common.check_training_args(p, p.parse_args([]), fill_scape=False)
+    assert accelerate_gpt.scape_settings(unset) == common.SCAPE_DEFAULTS
+    monkeypatch.setenv("SCAPE_WARMUP_STEPS", "7")
+    given = common.check_training_args(p, p.parse_args(["--sparsity", "0.9"]), fill_scape=False)
+    # the flag wins, SCAPE_WARMUP_STEPS is left to the plugin, the rest are the examples' defaults
+    assert accelerate_gpt.scape_settings(given) == {"sparsity": 0.9, "ramp_steps": 90, "wire": "auto"}
+
+
+def test_planned_runs_put_the_dense_baseline_first():
+    import argparse
+
+    args = argparse.Namespace(baseline=True, sparsity=0.99, out="runs/x", seed=0)
+    dense, scape = common.planned_runs(args)
+    assert (dense.sparsity, dense.out, dense.seed) == (0.0, str(Path("runs/x") / "dense"), 0) and scape is args
+    assert common.planned_runs(argparse.Namespace(baseline=False, sparsity=0.99, out="r")) == [
+        argparse.Namespace(baseline=False, sparsity=0.99, out="r")]
 
 
 # ----- the examples, end to end --------------------------------------------------------------------
 
 @needs_data
-def test_gpt_finetune_lightning_end_to_end(tmp_path):
-    proc = run([sys.executable, "examples/gpt_finetune.py", *TINY, "--out", str(tmp_path)])
+def test_gpt_finetune_lightning_end_to_end_with_baseline(tmp_path):
+    proc = run([sys.executable, "examples/gpt_finetune.py", *TINY, "--baseline", "--out", str(tmp_path)], timeout=300)
     result = check_summary(tmp_path, proc.stdout)
+    check_baseline(tmp_path, proc.stdout)
     assert result["devices"] == 2
-    assert (tmp_path / "logs").is_dir()  # CSV logs
+    assert (tmp_path / "logs").is_dir() and (tmp_path / "dense" / "logs").is_dir()  # CSV logs
 
 
 @needs_data
-def test_ddp_hook_end_to_end(tmp_path):
+def test_ddp_hook_end_to_end_with_baseline(tmp_path):
     proc = run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                "examples/ddp_hook.py", *TINY, "--out", str(tmp_path)])
+                "examples/ddp_hook.py", *TINY, "--baseline", "--out", str(tmp_path)], timeout=300)
     check_summary(tmp_path, proc.stdout)
+    check_baseline(tmp_path, proc.stdout)
     assert "state.stats()" in proc.stdout
 
 
 @needs_data
-def test_accelerate_gpt_end_to_end(tmp_path):
+def test_accelerate_gpt_end_to_end_with_baseline(tmp_path):
     from tests.dist import free_port
 
     cmd = [sys.executable, "-m", "accelerate_scape.cli", "launch", "--multi_gpu", "--num_processes", "2",
            "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
            "--main_process_port", str(free_port()), "examples/accelerate_gpt.py", *TINY, "--out", str(tmp_path)]
-    proc = run(cmd)
+    proc = run([*cmd, "--baseline"], timeout=300)
     result = check_summary(tmp_path, proc.stdout)
+    check_baseline(tmp_path, proc.stdout)
     assert result["sparsity"] == 0.9 and result["warmup_steps"] == 2  # the script's flags win
 
 
