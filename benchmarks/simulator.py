@@ -15,7 +15,7 @@ stacked along a leading rank axis instead of spread over processes:
 Bytes are counted as the core counts them, per rank and step: the values handed to the
 all-reduce (an encoded wire: its encoded buffer, ``scape_core.wire``) plus each partitioned
 selection's all-gather payload. ``tests/test_simulator.py`` checks parameters and bytes against
-the real 2-process hook (an encoded wire exchanges each DDP bucket on its own: pass ``buckets``).
+the real 2-process hook (which exchanges one buffer per step in the mask's order, whatever DDP's buckets).
 
 Prototype switches the core does not have are marked as such: ``send="momentum"`` (DGC-style
 momentum correction), the scores ``residual``, ``age``, ``gain``, ``pending``, ``wire="int2"``,
@@ -102,8 +102,6 @@ class SimulatedScape:
             replicated score over every coordinate, as many entries as the per-row mask).
         vector_density: prototype: 1-D parameters (biases, norm gains) at this density (or the
             step's, if denser); the other rows at the step's.
-        buckets: DDP's buckets as parameter names (``None``: one bucket); an encoded wire
-            exchanges each on its own, as the hook does.
     """
 
     def __init__(
@@ -121,7 +119,6 @@ class SimulatedScape:
         wire: str | None = None,
         scope: str = "row",
         vector_density: float | None = None,
-        buckets: list[tuple[str, ...]] | None = None,
     ) -> None:
         if send not in ("gradient", "momentum"):
             raise ValueError(f"send must be 'gradient' or 'momentum', got {send!r}")
@@ -136,7 +133,6 @@ class SimulatedScape:
             raise ValueError(f"scope must be 'row' or 'global', got {scope!r}")
         self.wire = wire or config.resolved_wire  # prototype: "int2", which the core does not ship
         self.scope, self.vector_density = scope, vector_density
-        self.buckets = buckets  # DDP's buckets (parameter names): an encoded wire exchanges each on its own
         self.rule = UPDATE_RULES[config.update]
         self.layout = FlatLayout(self.params, config.chunk_size)
         self.numel = sum(self.layout.numel.values())
@@ -270,11 +266,7 @@ class SimulatedScape:
             s, kept = (a[:, entries] / W).sum(0), 0.0
             nbytes = entries.numel() * VALUE_BYTES
         else:
-            parts = self._bucket_entries(mask, entries)
-            done = [self._exchange(a[:, e]) for e in parts]
-            entries = torch.cat(parts)
-            s, kept = torch.cat([d[0] for d in done]), torch.cat([d[1] for d in done], dim=1)
-            nbytes = sum(d[2] for d in done)
+            s, kept, nbytes = self._exchange(a[:, entries])
         if self.config.error_feedback:
             a[:, entries] = kept
             self.residual = a
@@ -285,13 +277,6 @@ class SimulatedScape:
         self.counters.bytes_sent += nbytes
         self._apply(s, entries)
         self._end_step()
-
-    def _bucket_entries(self, mask: Mask, entries: Tensor) -> list[Tensor]:
-        """Each bucket's entries, in the order the hook puts them in its compact buffer."""
-        if self.buckets is None or not mask.cols.numel():  # one bucket (a prototype mask: always)
-            return [entries]
-        shape = self.layout.mask_shape(mask.density)
-        return [torch.cat([entries[lo:hi] for lo, hi in shape.ranges(tuple(names))]) for names in self.buckets]
 
     def _exchange(self, sent: Tensor) -> tuple[Tensor, Tensor, int]:
         """The two-stage low-precision exchange of ``scape_core.wire`` on every rank's ``(W, E)`` values:

@@ -2,11 +2,12 @@
 
 - :class:`Buckets`: each bucket resolved once (its parameters' gradient views, and where a
   flat coordinate sits in the bucket's buffer), rebuilt when DDP rebuilds its buckets.
-- :class:`Exchange`: one bucket's sparse exchange (its entries, their positions in the bucket).
+- :class:`Exchange`: one bucket's part of a sparse step's exchange (its entries, their positions
+  in the bucket, the future DDP waits on).
 - :class:`StepRecord`: what the hook did during the current backward (which gradients it
-  synchronized, each bucket's finiteness verdict, the exchanged means), read by ``ScapeAdamS``
-  to apply the step: it gathers the synchronized sums from the buckets, writes the update into
-  them and puts the sums back.
+  synchronized, the step's compact buffer filled bucket by bucket, each bucket's finiteness
+  verdict, the exchanged means), read by ``ScapeAdamS`` to apply the step: it gathers the
+  synchronized sums from the buckets, writes the update into them and puts the sums back.
 
 Everything a completion callback (gloo's thread) writes into is created beforehand on the
 hook's thread; the callbacks only fill disjoint spans and append verdicts.
@@ -43,8 +44,9 @@ class Buckets:
     """The hook's per-bucket plans, each parameter's gradient view in its bucket, and the wire plans."""
 
     def __init__(self, layout: FlatLayout, names: dict[int, str], wire_name: str, world_size: int,
-                 wire_block: int) -> None:
+                 wire_block: int, dtype: torch.dtype = torch.float32) -> None:
         self.layout, self.names = layout, names
+        self.dtype = dtype  # the native wire's: the gradients' (fp32 if parameters mix dtypes)
         self.wire_name, self.world_size, self.wire_block = wire_name, world_size, wire_block
         self.plans: dict[tuple[int, int], BucketPlan] = {}
         self.views: dict[str, Tensor] = {}  # each parameter's gradient view in its DDP bucket
@@ -101,15 +103,15 @@ class Buckets:
 
 @dataclass
 class Exchange:
-    """One bucket's sparse exchange: where its entries are, and what this rank keeps if it succeeds."""
+    """One bucket's part of a sparse step's exchange: where its entries are, and its result's future."""
 
+    bucket: BucketPlan
     buffer: Tensor  # the bucket's buffer (holds the mean on the mask once the exchange finished)
     entries: Tensor  # flat indices into SCAPE's buffers
     positions: Tensor  # the same coordinates in the bucket buffer
     spans: list[tuple[int, int]]  # where the bucket's entries sit among the mask's entries
     finite: Tensor  # this rank's gradients in the bucket are finite (0-dim bool)
-    kept: Tensor | None  # a low-precision wire's rounding of what was sent, else None (nothing kept)
-    plan: wire.WirePlan | None = None  # an encoded wire's shape (None: native values, one all-reduce)
+    future: torch.futures.Future = field(default_factory=torch.futures.Future)  # DDP waits on it
 
 
 @dataclass
@@ -120,6 +122,7 @@ class StepRecord:
     synced: set[str] = field(default_factory=set)
     finite: list[Tensor] = field(default_factory=list)  # one 0-dim bool per bucket: its reduced values are finite
     values: Tensor | None = None  # sparse: the mean exchanged at each mask entry (0 where a bucket was not finite)
+    send: Tensor | None = None  # sparse: a_r = g_r + e_r at each mask entry (fp32), what this rank sends
     exchanges: list[Exchange] = field(default_factory=list)  # sparse: one per bucket
     applied_names: list[str] = field(default_factory=list)  # parameters with a gradient at the optimizer step
 
@@ -135,10 +138,11 @@ class StepRecord:
         self.synced.update(names)
 
     def add_exchange(self, exchange: Exchange, total: int) -> None:
-        """A sparse bucket's exchange is being issued (on the hook's thread, before its callback can run):
-        the step's buffer of exchanged means (``total``: the mask's entries) exists from here on."""
+        """A sparse bucket joins the step's exchange (on the hook's thread, before any callback can
+        run): the step's buffers (``total``: the mask's entries) exist from the first one on."""
         if self.values is None:
             self.values = torch.zeros(total, device=exchange.entries.device)
+            self.send = torch.zeros(total, device=exchange.entries.device)
         self.exchanges.append(exchange)
 
     def return_unapplied(self, residual: Tensor | None, entries: Tensor, applied: Tensor) -> None:

@@ -101,8 +101,9 @@ class ScapeState:
         self.selector = MaskSelector(self.layout, self.config, **group)  # both build their plans now: their
         self.shards = ShardExchange(self.layout, sharded=self.sharded, densities=self.schedule.densities(),
                                     **group)  # first use reads the device once
+        dtypes = {p.dtype for p in self.params.values()}
         self.buckets = Buckets(self.layout, self.names, self.config.resolved_wire, self.world_size,
-                               self.config.wire_block)
+                               self.config.wire_block, dtype=dtypes.pop() if len(dtypes) == 1 else torch.float32)
         self.record = StepRecord(self.buckets)
         self.step = 0  # optimizer steps taken (skipped ones included)
         self._sparse = False

@@ -1,7 +1,8 @@
 """Encoded wires: how a sparse step's compact buffer travels in fewer bits than the gradients have.
 
-On a sparse step every rank sends the same number of values (the mask's entries of a bucket,
-``E``). On the native wire (``ScapeConfig(wire="native")``, which the default ``"auto"`` picks
+On a sparse step every rank sends the same number of values (the mask's entries, ``E``, in the
+mask's order, once per step whatever DDP's buckets: so a value's rounding and its owner never
+depend on which bucket carried it). On the native wire (``ScapeConfig(wire="native")``, which the default ``"auto"`` picks
 below 95% sparsity) they go out in the gradients' dtype, in one all-reduce. An encoded wire
 (``"bfloat16"``, ``"int8"``, ``"int4"``) cannot be summed in the collective without losing the
 sum (int8 overflows, bf16 rounds at every hop), so it is reduced in two stages, as ZeRO++'s qgZ:
@@ -20,7 +21,9 @@ a reduce-scatter plus an all-gather), so bytes are counted as that buffer's size
 Integer wires scale each *block* of at most ``block`` values (inside a segment) by its largest
 magnitude: ``q = round(x / scale)`` with ``scale = max|x| / qmax`` (127 for int8, 7 for int4,
 two int4 values per byte), one fp32 scale per block, sent beside the values. A non-finite value
-makes its block's scale NaN, so a rank with a non-finite gradient still poisons the step.
+travels as the one code no finite value uses (int8's -128, int4's 15 before the offset) and
+decodes as NaN: a rank with a non-finite gradient poisons those entries of the step, and the
+block's other values keep their finite scale.
 
 Example:
     >>> plan = WirePlan("int8", entries=10, world=2, block=4)
@@ -113,14 +116,15 @@ def encode(plan: WirePlan, x: Tensor) -> Tensor:
         return x.to(torch.bfloat16).view(torch.uint8)
     qmax = _QMAX[plan.wire]
     blocks = x.unflatten(-1, (plan.blocks, plan.block_len))
-    scale = blocks.abs().amax(-1, keepdim=True).div_(qmax)  # NaN if the block holds one
-    q = blocks.div(torch.where(scale > 0, scale, 1.0)).round_().clamp_(-qmax, qmax).nan_to_num_(0.0)
-    q = q.flatten(-2).to(torch.int8)
+    bad = ~torch.isfinite(blocks)  # travel as the reserved code: the block's other values keep their scale
+    scale = blocks.abs().masked_fill_(bad, 0.0).amax(-1, keepdim=True).div_(qmax)
+    q = blocks.div(torch.where(scale > 0, scale, 1.0)).round_().clamp_(-qmax, qmax).flatten(-2)
+    bad = bad.flatten(-2)
     if plan.wire == "int8":
-        values = q.view(torch.uint8)
+        values = q.masked_fill_(bad, -qmax - 1).to(torch.int8).view(torch.uint8)
     else:  # several values per byte, offset to 0..2 qmax
         bits = _BITS[plan.wire]
-        u = q.add_(qmax).to(torch.uint8)
+        u = q.add_(qmax).masked_fill_(bad, 2 * qmax + 1).to(torch.uint8)
         values = u[..., 0::8 // bits].clone()
         for i in range(1, 8 // bits):
             values.bitwise_or_(u[..., i::8 // bits].bitwise_left_shift(bits * i))
@@ -133,12 +137,14 @@ def decode(plan: WirePlan, data: Tensor) -> Tensor:
         return data.view(torch.bfloat16).float()
     values = data[..., :plan.value_bytes]
     scale = data[..., plan.value_bytes:].clone(memory_format=torch.contiguous_format).view(torch.float32)
+    qmax = _QMAX[plan.wire]
     if plan.wire == "int8":
         q = values.view(torch.int8).float()
     else:
         bits = _BITS[plan.wire]
         parts = [values.bitwise_right_shift(bits * i).bitwise_and_((1 << bits) - 1) for i in range(8 // bits)]
-        q = torch.stack(parts, dim=-1).flatten(-2).float().sub_(_QMAX[plan.wire])
+        q = torch.stack(parts, dim=-1).flatten(-2).float().sub_(qmax)
+    q.masked_fill_(q.abs() > qmax, float("nan"))  # the reserved code: a non-finite value
     return q.unflatten(-1, (plan.blocks, plan.block_len)).mul_(scale.unsqueeze(-1)).flatten(-2)
 
 

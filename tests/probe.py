@@ -101,11 +101,10 @@ class Compact:
 
 
 def wire_segments(state: ScapeState) -> list[Compact]:
-    """The compact buffers of the sparse step in progress (call between backward and ``opt.step()``)."""
+    """The compact buffer of the sparse step in progress (call between backward and ``opt.step()``):
+    one per step, the mask's entries in order, whatever DDP's buckets."""
     layout, out = state.layout, []
-    flat = state.masks[state.step].flat(layout).cpu()
-    for exchange in state.record.exchanges:
-        entries = torch.cat([flat[lo:hi] for lo, hi in exchange.spans])
+    for entries in [state.masks[state.step].flat(layout).cpu()]:
         plan = state.buckets.wire_plan(entries.numel())
         rows = torch.div(entries, layout.chunk, rounding_mode="floor")
         names, index = [], []

@@ -162,7 +162,53 @@ def _script_main(out: Path) -> None:
                              sharded=scape.state.sharded, stats=scape.stats(),
                              saved=sorted(v["exp_avg"].shape for v in saved.values()),
                              shapes=sorted(p.shape for p in model.parameters()))
+    result["resume_defaults"] = _resume_defaults(out)
     torch.save(result, out / f"main_{rank}.pt")
+
+
+def _resume_defaults(out: Path) -> dict:
+    """The defaults at 99% (int4) and 90% (native), small DDP buckets (regrouped after each new DDP's
+    first iteration): save_state, then fresh objects, load_state, the second half."""
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedDataParallelKwargs
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from accelerate_scape import ScapePlugin
+    from tests.test_resume import CONFIGS, SCHEDULE, TinyTransformer
+
+    def build(config):
+        acc = Accelerator(kwargs_handlers=[DistributedDataParallelKwargs(bucket_cap_mb=0.02)])
+        model = TinyTransformer()
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+        tokens = torch.randint(0, 64, (256, 13), generator=torch.Generator().manual_seed(2))
+        scape = ScapePlugin(**config, **SCHEDULE)
+        return (acc, scape, *scape.prepare(acc, model, opt, DataLoader(TensorDataset(tokens), batch_size=4)))
+
+    def train(acc, model, opt, loader, steps):
+        batches = iter(loader)
+        for _ in range(steps):
+            (tokens,) = next(batches)
+            logits = model(tokens[:, :-1])
+            acc.backward(nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()))
+            opt.step()
+            opt.zero_grad()
+
+    result = {}
+    for name, config in CONFIGS.items():
+        acc, scape, model, opt, loader = build(config)
+        train(acc, model, opt, loader, 30)
+        full = [p.detach().clone() for p in model.parameters()]
+        acc, scape, model, opt, loader = build(config)
+        train(acc, model, opt, loader, 16)
+        acc.save_state(str(out / f"ckpt_{name}"))
+        acc.wait_for_everyone()
+        acc, scape, model, opt, loader = build(config)
+        acc.load_state(str(out / f"ckpt_{name}"))
+        train(acc, model, opt, acc.skip_first_batches(loader, 16), 14)
+        result[name] = dict(full=full, resumed=[p.detach().clone() for p in model.parameters()],
+                            wire=scape.config.resolved_wire, steps=scape.state.step,
+                            hook_calls=scape.state.counters["hook_calls"])
+    return result
 
 
 def _script_cli(out: Path) -> None:
@@ -474,6 +520,20 @@ def test_save_state_load_state_resumes_bit_for_bit(main_run):
         assert r["resumed"]["lr"] == r["full"]["lr"]
 
 
+def test_the_defaults_resume_bit_for_bit(main_run):
+    _, ranks = main_run
+    for r in ranks:
+        runs = r["resume_defaults"]
+        assert runs["int4_99"]["wire"] == "int4" and runs["native_90"]["wire"] == "native"
+        for name, run in runs.items():
+            assert run["steps"] == 30 and run["hook_calls"] > 2 * 30, name  # several buckets
+            for p, q in zip(run["full"], run["resumed"]):
+                assert torch.equal(p, q), f"{name}: max |diff| {(p - q).abs().max().item():.3g}"
+    for name in ranks[0]["resume_defaults"]:
+        for p, q in zip(ranks[0]["resume_defaults"][name]["resumed"], ranks[1]["resume_defaults"][name]["resumed"]):
+            assert torch.equal(p, q), name  # replicas bit-identical
+
+
 def test_save_state_load_state_of_a_sharded_optimizer(main_run):
     _, ranks = main_run
     for r in ranks:
@@ -537,5 +597,6 @@ def test_single_process_is_inactive_and_dense(tmp_path):
 
 if __name__ == "__main__":  # the launched training script
     torch.set_num_threads(1)
+    sys.path.insert(0, str(HERE.parents[1]))  # the repository: `tests` (test_resume's model) imports
     mode, out_dir = sys.argv[1], Path(sys.argv[2])
     {"main": _script_main, "cli": _script_cli, "single": _script_single}[mode](out_dir)

@@ -22,6 +22,9 @@ import lightning_scape
 from lightning_scape import ScapeFabricStrategy, ScapeStrategy
 from scape_core import AdamS
 from tests.dist import failure, run_distributed
+from tests.test_resume import CONFIGS as RESUME_CONFIGS
+from tests.test_resume import SCHEDULE as RESUME_SCHEDULE
+from tests.test_resume import TinyTransformer
 
 SAMPLES = 64  # 8 batches of 4 per rank per epoch
 
@@ -440,10 +443,96 @@ def test_misuse_in_lightning_is_named(ranks):
 
 
 # ----------------------------------------------------------------------------------------
+class Tokens(L.LightningModule):
+    """test_resume's tiny transformer (DDP rebuilds its buckets into other groups) as a LightningModule."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = TinyTransformer()
+
+    def training_step(self, batch, batch_idx):
+        (tokens,) = batch
+        logits = self.net(tokens[:, :-1])
+        return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+
+
+def token_loader() -> DataLoader:  # 8 batches of 4 per rank per epoch
+    tokens = torch.randint(0, 64, (SAMPLES, 13), generator=torch.Generator().manual_seed(2))
+    return DataLoader(TensorDataset(tokens), batch_size=4)
+
+
+def _resume_defaults_part(rank, tmp):
+    """The defaults at 99% (int4) and 90% (native): a Trainer checkpoint at an epoch's end and a Fabric
+    save resume bit-for-bit in a new Trainer / Fabric, whose new DDP rebuilds its buckets."""
+    out = {}
+    for name, config in RESUME_CONFIGS.items():
+        def strategy():  # small buckets: several, which DDP regroups after a process's first iteration
+            return ScapeStrategy(**config, **RESUME_SCHEDULE, bucket_cap_mb=0.02)
+
+        full = Tokens()
+        trainer(strategy(), tmp, max_epochs=4).fit(full, token_loader())
+        first = trainer(strategy(), tmp, max_epochs=2)
+        first.fit(Tokens(), token_loader())
+        path = str(Path(tmp) / f"{name}.ckpt")
+        first.save_checkpoint(path)
+        resumed = Tokens()
+        t = trainer(strategy(), tmp, max_epochs=4)
+        t.fit(resumed, token_loader(), ckpt_path=path)
+        out[f"trainer_{name}"] = dict(full=params(full), resumed=params(resumed),
+                                      wire=t.strategy.scape_config.resolved_wire, steps=t.strategy.scape_state.step,
+                                      hook_calls=t.strategy.scape_state.counters["hook_calls"])
+
+        def fabric_setup():
+            fabric = L.Fabric(accelerator="cpu", devices=2,
+                              strategy=ScapeFabricStrategy(**config, **RESUME_SCHEDULE, bucket_cap_mb=0.02))
+            fabric.launch()
+            net = TinyTransformer()
+            opt = torch.optim.AdamW(net.parameters(), lr=3e-3, betas=(0.9, 0.95), weight_decay=0.1)
+            return (fabric, *fabric.setup(net, opt))
+
+        def fabric_train(model, opt, steps):
+            for step in steps:
+                tokens = torch.randint(0, 64, (4, 13), generator=torch.Generator().manual_seed(100 * step + rank))
+                logits = model(tokens[:, :-1])
+                fabric.backward(F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()))
+                opt.step()
+                opt.zero_grad()
+
+        fabric, model, opt = fabric_setup()
+        fabric_train(model, opt, range(16))
+        fabric.save(str(Path(tmp) / f"{name}.fabric"), {"model": model, "optimizer": opt})
+        fabric_train(model, opt, range(16, 30))
+        full_params = params(model)
+        fabric, model, opt = fabric_setup()
+        fabric.load(str(Path(tmp) / f"{name}.fabric"), {"model": model, "optimizer": opt})
+        fabric_train(model, opt, range(16, 30))
+        out[f"fabric_{name}"] = dict(full=full_params, resumed=params(model), steps=fabric.strategy.scape_state.step,
+                                     hook_calls=fabric.strategy.scape_state.counters["hook_calls"])
+    return out
+
+
+def test_defaults_resume_bit_for_bit_through_the_trainer_and_fabric(ranks):
+    results = part(ranks, "resume_defaults")
+    for r in results:
+        assert r["trainer_int4_99"]["wire"] == "int4" and r["trainer_native_90"]["wire"] == "native"
+        for key, run in r.items():
+            assert run["steps"] in (30, 32) and run["hook_calls"] > 2 * run["steps"], key  # several buckets
+            for p, q in zip(run["full"], run["resumed"]):
+                assert torch.equal(p, q), f"{key}: max |diff| {(p - q).abs().max().item():.3g}"
+    for key in results[0]:
+        for p, q in zip(results[0][key]["resumed"], results[1][key]["resumed"]):
+            assert torch.equal(p, q), key  # replicas bit-identical
+
+
+# ----------------------------------------------------------------------------------------
 PARTS = {"registered_name": _registered_name_part, "train": _train_part, "resume": _resume_part,
          "resume_sharded": lambda rank, tmp: _resume_part(rank, tmp, shard_optimizer=True),
          "variants": _variants_part, "fabric": _fabric_part,
-         "fabric_sharded": lambda rank, tmp: _fabric_part(rank, tmp, sharded=True), "misuse": _misuse_part}
+         "fabric_sharded": lambda rank, tmp: _fabric_part(rank, tmp, sharded=True), "misuse": _misuse_part,
+         "resume_defaults": _resume_defaults_part}
 
 
 def _all_parts(rank, world, tmp):
