@@ -285,8 +285,9 @@ def count_compiled(fn: Callable, name: str | None = None) -> Callable:
 def synchronous_collectives() -> Iterator[None]:
     """Wait for each collective where it is issued, so a comm hook's ``.then`` callback runs inline
     (on the counting thread, inside its dispatch mode) instead of on gloo's thread."""
-    names = ("all_reduce", "all_to_all_single", "all_gather_into_tensor", "all_gather", "broadcast")
-    saved = {n: getattr(dist, n) for n in names}
+    names = ("all_reduce", "all_to_all_single", "all_gather_into_tensor", "all_gather_single", "all_gather",
+             "broadcast")
+    saved = {n: getattr(dist, n) for n in names if hasattr(dist, n)}  # all_gather_single: torch >= 2.13
 
     def waited(fn: Callable) -> Callable:
         @functools.wraps(fn)
@@ -460,7 +461,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     unknown = set(methods) - set(METHODS)
     if unknown:
         raise SystemExit(f"unknown methods {sorted(unknown)}; choose from {METHODS}")
-    warnings.filterwarnings("ignore", message=".*all_gather_into_tensor.* is deprecated")  # the core's call
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         init_single_rank(tmp)
