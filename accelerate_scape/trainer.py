@@ -125,7 +125,8 @@ class ScapeTrainerMixin:
 
 
 class ScapeTrainer(ScapeTrainerMixin, Trainer):
-    """``transformers.Trainer`` with SCAPE: ``ScapeTrainer(..., scape=dict(sparsity=0.99))``; see :class:`ScapeTrainerMixin`."""
+    """``transformers.Trainer`` with SCAPE: ``ScapeTrainer(..., scape=dict(sparsity=0.99))``; see
+    :class:`ScapeTrainerMixin`."""
 
 
 class _AttachAtTrainBegin(TrainerCallback):

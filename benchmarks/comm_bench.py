@@ -48,7 +48,12 @@ from typing import Any, Callable, Sequence
 
 import torch
 import torch.distributed as dist
-from bench_common import (
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+
+from torch import nn
+
+from benchmarks.bench_common import (
     batches,
     core_version,
     count_params,
@@ -59,7 +64,6 @@ from bench_common import (
     scape_fields,
     start_rank,
 )
-from torch import nn
 
 ROOT = Path(__file__).resolve().parent.parent
 METHODS = ("no-comm + AdamS", "DDP + AdamW", "DDP + AdamS", "PowerSGD r4 + AdamW", "SCAPE 90%", "SCAPE 99%",
@@ -519,7 +523,7 @@ def main() -> None:
     if args.worker:
         worker(args)
         end_rank()
-    links = [l.strip() for l in args.links.split(",")]
+    links = [link.strip() for link in args.links.split(",")]
     world = 2
     rate_mbit = args.gbit * 1000 * world  # every rank's traffic crosses the one shared loopback queue
     names = {"loopback": "loopback (unshaped)", "slow": f"{args.gbit:g} Gbit/s per rank (tbf {rate_mbit:g} mbit on lo)"}
@@ -527,7 +531,7 @@ def main() -> None:
     if why:
         print(f"NOTE: no network namespace ({why}). The slow link is skipped; the unshaped link runs on "
               "the host loopback, whose interface counters include any other traffic on it.", flush=True)
-        links = [l for l in links if l != "slow"]
+        links = [link for link in links if link != "slow"]
     ns = Namespace(f"scape-bench-{os.getpid()}")
     raw: dict[str, Any] = {}
     t_start = time.time()
@@ -547,7 +551,7 @@ def main() -> None:
     params = next(iter(raw.values()))["params"]
     report = {"command": " ".join(["python", "benchmarks/comm_bench.py"] + sys.argv[1:]), "machine": machine(),
               "core": core_version(),
-              "params": params, "links": {l: names[l] for l in raw}, "namespace": None if why else "isolated",
+              "params": params, "links": {link: names[link] for link in raw}, "namespace": None if why else "isolated",
               "default_batch": args.default_batch, "context": args.context, "summary": summary, "raw": raw}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=1))

@@ -80,7 +80,8 @@ class GPT(nn.Module):
         self.head.weight = self.tok.weight
         for name, p in self.named_parameters():
             if p.dim() == 2:
-                nn.init.normal_(p, std=0.02 / (math.sqrt(2 * layers) if name.endswith(("proj.weight", "out.weight")) else 1))
+                scaled = name.endswith(("proj.weight", "out.weight"))
+                nn.init.normal_(p, std=0.02 / (math.sqrt(2 * layers) if scaled else 1))
 
     def forward(self, x: Tensor) -> Tensor:
         h = self.tok(x) + self.pos(torch.arange(x.shape[1]))
@@ -198,7 +199,8 @@ def run(spec: str, seed: int, steps: int, args: argparse.Namespace) -> dict:
     result = dict(method=spec, settings=cfg, seed=seed, steps=steps, world_size=args.world_size,
                   batch=args.batch, context=args.context, tokens_per_step=args.batch * args.context,
                   params=numel, lr=args.lr, scape_warmup=int(cfg.get("warmup", args.scape_warmup)),
-                  model=dict(width=args.width, layers=args.layers, heads=args.heads), curve=curve, final_val=curve[-1][2] if curve else float("nan"),
+                  model=dict(width=args.width, layers=args.layers, heads=args.heads),
+                  curve=curve, final_val=curve[-1][2] if curve else float("nan"),
                   wall_s=time.time() - t0, completed=len(curve) > 0 and curve[-1][0] == steps)
     if dense_kind:
         result.update(bytes_per_step=4 * numel, dense_bytes_per_step=4 * numel)

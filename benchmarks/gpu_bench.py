@@ -221,7 +221,8 @@ def report(res: dict[str, Any]) -> str:
     rows = res["methods"]
     dense = rows["DDP + AdamW"]["step_s"]
     gpu = res["device"].startswith("cuda")
-    lines = [f"{res['shape']} ({res['params'] / 1e6:.1f}M parameters, {res['tensors']} tensors) on {res['device_name']}, "
+    lines = [f"{res['shape']} ({res['params'] / 1e6:.1f}M parameters, {res['tensors']} tensors) "
+             f"on {res['device_name']}, "
              f"world size 1; medians of {res['steps']} steps after {res['warm']}\n",
              "| method | step | x dense AdamW | peak memory | optimizer + SCAPE state | operators / step"
              + (" | kernel launches / step | host syncs / step |" if gpu else " |"),

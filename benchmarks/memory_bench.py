@@ -27,8 +27,12 @@ from typing import Any, Iterable
 
 import torch
 import torch.distributed as dist
-from bench_common import batches, core_version, count_params, end_rank, launch, machine, start_rank
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+
 from torch import nn
+
+from benchmarks.bench_common import batches, core_version, count_params, end_rank, launch, machine, start_rank
 
 ROOT = Path(__file__).resolve().parent.parent
 METHODS = ("AdamW", "AdamS", "ZeRO + AdamW", "SCAPE 99%", "SCAPE 99% sharded")
@@ -168,7 +172,8 @@ def bytes_table(results: dict[str, Any]) -> str:
             b = row["bytes_per_sparse_step"]
             handed = b["bytes_sent"] / base["bytes_sent"] if base else float("nan")
             wire = b["wire"] / base["wire"] if base else float("nan")
-            lines.append(f"| {name} | {w} | {b['all_reduce']:,.0f} | {b['shard_bytes']:,.0f} | {b['mask_bytes']:,.0f} | "
+            lines.append(f"| {name} | {w} | {b['all_reduce']:,.0f} | {b['shard_bytes']:,.0f} | "
+                         f"{b['mask_bytes']:,.0f} | "
                          f"{b['bytes_sent']:,.0f} | {handed:.3f} | {b['wire']:,.0f} | {wire:.3f} |")
     lines += ["", "| method | W | dense step: all-reduce | all-gather parameters | x DDP handed | x DDP ring wire |",
               "|---|---|---|---|---|---|"]

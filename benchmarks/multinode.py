@@ -34,10 +34,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Sequence
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import comm_bench  # noqa: E402
-from bench_common import core_version, launch, machine  # noqa: E402
-from comm_bench import Namespace  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+from benchmarks import comm_bench  # noqa: E402
+from benchmarks.bench_common import core_version, launch, machine  # noqa: E402
+from benchmarks.comm_bench import Namespace  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 ADDRESSES = ("10.231.0.1", "10.231.0.2")
@@ -404,9 +404,10 @@ def rehearse(nodes: TwoNodes, launcher: str, workdir: Path, flags: Sequence[str]
         raise RuntimeError(f"{launcher}: the example failed (exit codes {[r.returncode for r in runs]}):\n"
                            + tails(out / "logs", 2))
     after = nodes.counters()
-    return {"launcher": launcher, "link": nodes.describe(), "environment": f"GLOO_SOCKET_IFNAME={IFACE} OMP_NUM_THREADS=1",
-            "commands": [shown(c) for c in commands],
-            "seconds": round(max(r.seconds for r in runs), 1), "summary": json.loads((out / "summary.json").read_text()),
+    return {"launcher": launcher, "link": nodes.describe(),
+            "environment": f"GLOO_SOCKET_IFNAME={IFACE} OMP_NUM_THREADS=1", "commands": [shown(c) for c in commands],
+            "seconds": round(max(r.seconds for r in runs), 1),
+            "summary": json.loads((out / "summary.json").read_text()),
             "veth_bytes": [after[n][IFACE] - before[n][IFACE] for n in (0, 1)],
             "lo_bytes": [after[n]["lo"] - before[n]["lo"] for n in (0, 1)]}
 
@@ -436,7 +437,8 @@ def bench_one_namespace(gbit: float, args: argparse.Namespace) -> dict:
     try:
         ns.create()
         ns.shape(gbit * 1000 * 2 if gbit else None)  # both ranks' traffic crosses the one loopback queue
-        return comm_bench.measure(lambda a: launch(a, 2, args.timeout, prefix=ns.prefix()), comm_bench.worker_argv(args))
+        return comm_bench.measure(lambda a: launch(a, 2, args.timeout, prefix=ns.prefix()),
+                                  comm_bench.worker_argv(args))
     finally:
         ns.remove()
 
@@ -454,7 +456,8 @@ def bench_table(rows: dict, reference: dict | None) -> str:
     lines = [head, sep]
     for name, r in rows.items():
         link = max(r.get("link_bytes", 0), 0)  # what two barriers cost is subtracted: tiny negatives are noise
-        pct = f"{100 * link / rows[dense]['link_bytes']:.2f}%" if dense in rows and rows[dense].get("link_bytes") else "-"
+        known = dense in rows and rows[dense].get("link_bytes")
+        pct = f"{100 * link / rows[dense]['link_bytes']:.2f}%" if known else "-"
         line = (f"| {name} | {r['time_s']:.3f} | {comm_bench.ratio(rows, name, bound):.2f}x | "
                 f"{comm_bench.ratio(rows, dense, name):.2f}x | {fmt(r.get('bytes', 0))} | {fmt(link)} | "
                 f"{pct} | {fmt(max(r.get('lo_bytes', 0), 0))} |")
@@ -505,7 +508,8 @@ def bench_report(report: dict) -> str:
 
 # ----- driver ------------------------------------------------------------------------------------
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter,
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
     sub = p.add_subparsers(dest="command", required=True)
     b = sub.add_parser("bench", help="comm_bench's methods on 2 x 2 ranks over the shaped link")
@@ -533,7 +537,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         comm_bench.check_run_args(b, args)
         args.gbit = [float(g) for g in args.gbit.split(",")]
     if args.command == "rehearse":
-        args.launchers = [l.strip() for l in args.launchers.split(",")]
+        args.launchers = [name.strip() for name in args.launchers.split(",")]
         if set(args.launchers) - set(EXAMPLES):
             r.error(f"--launchers: choose from {list(EXAMPLES)}")
     return args
@@ -585,7 +589,8 @@ def describe_kill(result: dict) -> dict:
 
 def rehearsal_line(run: dict) -> str:
     s = run["summary"]
-    return (f"- {run['launcher']}: val loss {s['val_loss_before']:.2f} -> {s['val_loss_after']:.2f} in {s['steps']} steps, "
+    return (f"- {run['launcher']}: val loss {s['val_loss_before']:.2f} -> {s['val_loss_after']:.2f} "
+            f"in {s['steps']} steps, "
             f"{s['scape']['compression']:.1f}x fewer bytes than dense, {sum(run['veth_bytes']) / 1e6:.0f} MB across "
             f"the veth ({run['link']}), {run['seconds']:.0f} s\n    "
             + "\n    ".join(f"{run['environment']} {c}" for c in run["commands"]))

@@ -37,7 +37,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from bench_common import (
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+
+from benchmarks.bench_common import (
     batches,
     core_version,
     count_params,

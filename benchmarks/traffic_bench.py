@@ -75,7 +75,6 @@ import os
 import sys
 import tempfile
 import time
-import warnings
 from collections import defaultdict
 from pathlib import Path
 from typing import Any, Callable, Iterator
@@ -86,9 +85,9 @@ from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes, _get_current_dispatch_mode_stack
 from torch.utils._pytree import tree_leaves
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from bench_common import GPT, batches, core_version, count_params, machine, shakespeare  # noqa: E402
+from benchmarks.bench_common import GPT, batches, core_version, count_params, machine, shakespeare  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 METHODS = ("DDP + AdamW fused", "DDP + AdamS", "SCAPE 99% default", "SCAPE 99% native", "SCAPE 90%")
@@ -308,7 +307,8 @@ def synchronous_collectives() -> Iterator[None]:
 
 
 # ----- the methods -----------------------------------------------------------------------
-def build(method: str, base: nn.Module, bucket_view: bool = False) -> tuple[nn.Module, torch.optim.Optimizer | None, Any]:
+def build(method: str, base: nn.Module,
+          bucket_view: bool = False) -> tuple[nn.Module, torch.optim.Optimizer | None, Any]:
     """``(ddp, optimizer, scape_state)``; method ``"baseline"``: DDP's plain all-reduce, no optimizer."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -449,7 +449,8 @@ def report(res: dict[str, Any], top: int = 16) -> str:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated, from: " + ", ".join(METHODS))
+    p.add_argument("--methods", default=",".join(METHODS),
+                   help="comma-separated, from: " + ", ".join(METHODS).replace("%", "%%"))
     p.add_argument("--params", type=float, default=1.9e6)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--context", type=int, default=64)
@@ -471,7 +472,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     res["seconds"] = round(time.time() - t0, 1)
     text = report(res)
     print(text)
-    summary = {"command": " ".join(["python", "benchmarks/traffic_bench.py"] + (sys.argv[1:] if argv is None else argv)),
+    given = sys.argv[1:] if argv is None else argv
+    summary = {"command": " ".join(["python", "benchmarks/traffic_bench.py"] + given),
                "machine": machine(), "core": core_version(), "report": text, **res}
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(summary, indent=1))

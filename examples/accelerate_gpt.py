@@ -27,13 +27,28 @@ from tqdm.auto import tqdm
 
 from accelerate_scape import ScapePlugin
 from accelerate_scape.settings import resolve_settings
-from common import (SCAPE_DEFAULTS, HelpFormatter, TokenBlocks, add_training_args, check_training_args, conclude,
-                    cosine_decay, count_parameters, evaluate, forever, load_model_and_corpus, next_token_loss,
-                    planned_runs, report)
+
+from common import (
+    SCAPE_DEFAULTS,
+    HelpFormatter,
+    TokenBlocks,
+    add_training_args,
+    check_training_args,
+    conclude,
+    cosine_decay,
+    count_parameters,
+    evaluate,
+    forever,
+    load_model_and_corpus,
+    next_token_loss,
+    planned_runs,
+    report,
+)
 
 
 def scape_settings(args: argparse.Namespace) -> dict:
-    """This script's flags > ``accelerate-scape launch`` flags, ``SCAPE_*`` or ``scape_config.yaml`` > SCAPE_DEFAULTS."""
+    """This script's flags > ``accelerate-scape launch`` flags, ``SCAPE_*`` or ``scape_config.yaml``
+    > SCAPE_DEFAULTS."""
     given = {name: getattr(args, name) for name in SCAPE_DEFAULTS if getattr(args, name) is not None}
     sources = resolve_settings(given).sources
     return {**{name: v for name, v in SCAPE_DEFAULTS.items() if sources[name] == "default"}, **given}

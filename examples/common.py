@@ -435,8 +435,8 @@ def plot_runs(path: str | os.PathLike, results: list[dict], title: str = "") -> 
     sparse = [r for r in results if r["sparsity"]]
     if sparse and sparse[0]["warmup_steps"]:
         by_step.axvline(sparse[0]["warmup_steps"], color="grey", ls="--", lw=0.8)
-        by_step.text(sparse[0]["warmup_steps"], 0.02, " SCAPE sparse from here", transform=by_step.get_xaxis_transform(),
-                     va="bottom", fontsize=8, color="grey")
+        by_step.text(sparse[0]["warmup_steps"], 0.02, " SCAPE sparse from here",
+                     transform=by_step.get_xaxis_transform(), va="bottom", fontsize=8, color="grey")
     by_step.plot([], [], lw=0.6, color="grey", alpha=0.6, label="train loss (rank 0)")
     by_step.set(xlabel="optimizer step", ylabel="cross-entropy (nats/token)")
     by_bytes.set(xlabel="MB sent per rank (gradient communication)")
@@ -464,7 +464,8 @@ def conclude(results: list[dict], out: str | os.PathLike) -> str:
     lines = []
     if len(results) > 1:
         dense, scape = results
-        lines += [f"\n{run_label(scape)} vs {run_label(dense)} (the same {plural(scape['steps'])}, seed {scape['seed']})",
+        lines += [f"\n{run_label(scape)} vs {run_label(dense)} "
+                  f"(the same {plural(scape['steps'])}, seed {scape['seed']})",
                   f"  validation loss   {scape['val_loss_after']:.3f} vs {dense['val_loss_after']:.3f}",
                   f"  sent per rank     {megabytes(scape['bytes_sent'])} vs {megabytes(dense['bytes_sent'])}",
                   f"  training time     {scape['train_seconds']:.1f} s vs {dense['train_seconds']:.1f} s"]

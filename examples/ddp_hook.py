@@ -18,10 +18,24 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, DistributedSampler
 
-from common import (HelpFormatter, TokenBlocks, add_training_args, check_training_args, conclude, cosine_decay,
-                    count_parameters, describe_scape, evaluate, forever, load_model_and_corpus,
-                    next_token_loss, planned_runs, report)
 from scape_core import ScapeAdamS, ScapeState, scape_hook
+
+from common import (
+    HelpFormatter,
+    TokenBlocks,
+    add_training_args,
+    check_training_args,
+    conclude,
+    cosine_decay,
+    count_parameters,
+    describe_scape,
+    evaluate,
+    forever,
+    load_model_and_corpus,
+    next_token_loss,
+    planned_runs,
+    report,
+)
 
 
 def train(args: argparse.Namespace, device: torch.device) -> dict:

@@ -28,10 +28,20 @@ from torch.utils.data import DataLoader
 from torchmetrics.text import Perplexity
 
 import lightning_scape  # registers Trainer(strategy="scape"); ScapeStrategy(...) picks the settings
-
-from common import (HelpFormatter, TokenBlocks, add_training_args, check_training_args, conclude, cosine_decay,
-                    load_model_and_corpus, next_token_loss, planned_runs, report)
 from scape_core import AdamS
+
+from common import (
+    HelpFormatter,
+    TokenBlocks,
+    add_training_args,
+    check_training_args,
+    conclude,
+    cosine_decay,
+    load_model_and_corpus,
+    next_token_loss,
+    planned_runs,
+    report,
+)
 
 
 class CausalLM(pl.LightningModule):

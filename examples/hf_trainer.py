@@ -1,4 +1,5 @@
-"""Train a GPT with SCAPE through ``transformers.Trainer``: ``accelerate_scape.trainer.ScapeTrainer`` instead of ``Trainer``.
+"""Train a GPT with SCAPE through ``transformers.Trainer``: ``accelerate_scape.trainer.ScapeTrainer``
+instead of ``Trainer``.
 
 Offline, on 2 CPU processes (without a launcher the script starts them itself, with torchrun)::
 
@@ -29,9 +30,18 @@ from transformers import PrinterCallback, ProgressCallback, TrainerCallback, Tra
 from transformers.utils import logging as hf_logging
 
 from accelerate_scape import resolve_settings
-from common import (HelpFormatter, TokenBlocks, add_training_args, check_training_args, count_parameters, evaluate,
-                    load_model_and_corpus, report)
 from accelerate_scape.trainer import ScapeTrainer
+
+from common import (
+    HelpFormatter,
+    TokenBlocks,
+    add_training_args,
+    check_training_args,
+    count_parameters,
+    evaluate,
+    load_model_and_corpus,
+    report,
+)
 
 EXAMPLE_DEFAULTS = dict(sparsity=0.99, warmup_steps=30, ramp_steps=90)  # gpt_finetune.py's
 

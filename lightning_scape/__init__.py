@@ -15,8 +15,8 @@ standalone ``pytorch_lightning`` / ``lightning_fabric`` packages (classes in
 
 import importlib.util
 
-from scape_core.convert import to_scape_adams
 from lightning_scape.strategy import ScapeFabricStrategy, ScapeStrategy, register
+from scape_core.convert import to_scape_adams
 
 register()
 if importlib.util.find_spec("pytorch_lightning") and importlib.util.find_spec("lightning_fabric"):

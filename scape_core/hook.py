@@ -64,7 +64,8 @@ def finish_step(state: ScapeState, record: StepRecord, reduced: Tensor, kept: Te
     DDP's futures complete (their failure, if anything here raised)."""
     try:
         for x in record.exchanges:
-            finish_bucket(state, x, gather_spans(reduced, x.spans), None if kept is None else gather_spans(kept, x.spans))
+            kept_here = None if kept is None else gather_spans(kept, x.spans)
+            finish_bucket(state, x, gather_spans(reduced, x.spans), kept_here)
     except BaseException as e:
         for x in record.exchanges:
             x.future.set_exception(e)

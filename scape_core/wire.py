@@ -2,8 +2,8 @@
 
 On a sparse step every rank sends the same number of values (the mask's entries, ``E``, in the
 mask's order, once per step whatever DDP's buckets: so a value's rounding and its owner never
-depend on which bucket carried it). On the native wire (``ScapeConfig(wire="native")``, which the default ``"auto"`` picks
-below 95% sparsity) they go out in the gradients' dtype, in one all-reduce. An encoded wire
+depend on which bucket carried it). On the native wire (``ScapeConfig(wire="native")``, which the
+default ``"auto"`` picks below 95% sparsity) they go out in the gradients' dtype, in one all-reduce. An encoded wire
 (``"bfloat16"``, ``"int8"``, ``"int4"``) cannot be summed in the collective without losing the
 sum (int8 overflows, bf16 rounds at every hop), so it is reduced in two stages, as ZeRO++'s qgZ:
 

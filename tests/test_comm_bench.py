@@ -14,17 +14,15 @@ import pytest
 from tests.dist import run_distributed
 
 BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
-sys.path.insert(0, str(BENCH))
 
-import comm_bench  # noqa: E402
+from benchmarks import comm_bench  # noqa: E402
 
 
 def _count_collectives(rank: int, world_size: int) -> dict:
     import torch
     import torch.distributed as dist
 
-    sys.path.insert(0, str(BENCH))
-    import comm_bench as cb
+    from benchmarks import comm_bench as cb
 
     counter = cb.CollectiveCounter()
     counter.install()
@@ -95,7 +93,7 @@ def test_tiny_run_counts_dense_and_scape_bytes(tmp_path):
 
 
 def test_overhead_components_subtract_nested_timers_once():
-    import overhead_bench
+    from benchmarks import overhead_bench
 
     raw = {"step": 1.0, "forward_backward": 0.7, "opt_step": 0.3, "compact": 0.02, "allreduce_launch": 0.005,
            "finish": 0.03, "select": 0.2, "topk": 0.1, "gather_launch": 0.002, "mask_wait": 0.04, "end_step": 0.25,

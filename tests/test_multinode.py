@@ -9,16 +9,11 @@ from __future__ import annotations
 
 import importlib.util
 import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
-sys.path.insert(0, str(BENCH))
-
-import multinode  # noqa: E402
-from multinode import TwoNodes  # noqa: E402
+from benchmarks import multinode
+from benchmarks.multinode import TwoNodes
 
 WHY = TwoNodes.unavailable()
 pytestmark = pytest.mark.skipif(WHY is not None, reason=f"two nodes need network namespaces: {WHY}")

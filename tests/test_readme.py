@@ -98,4 +98,5 @@ def test_readme_block_runs_as_written(code, tmp_path):
                PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH", "")]))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "snippet.py"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, f"README block failed ({proc.returncode}):\n{code}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert proc.returncode == 0, \
+        f"README block failed ({proc.returncode}):\n{code}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"

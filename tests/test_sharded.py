@@ -192,11 +192,7 @@ def test_checkpoint_reshards_at_another_world_size(old, new, tmp_path):
 
 # ----------------------------------------------------------------------------------------
 def _memory_and_bytes(rank, world):
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
-    from memory_bench import held_storages
+    from benchmarks.memory_bench import held_storages
 
     out = {}
     for sharded in (False, True):

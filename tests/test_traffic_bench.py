@@ -10,10 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
-sys.path.insert(0, str(BENCH))
+from benchmarks.traffic_bench import TrafficCounter, count_compiled
 
-from traffic_bench import TrafficCounter, count_compiled  # noqa: E402
+BENCH = Path(__file__).resolve().parent.parent / "benchmarks"
 
 N = 1000  # fp32 values: 4000 bytes
 
@@ -117,7 +116,8 @@ def test_tiny_run_adds_the_known_optimizer_passes_and_a_sparse_step(tmp_path):
                     "--context", "16", "--batch", "1", "--out", str(out)], check=True, timeout=120,
                    capture_output=True)
     rows = json.loads(out.read_text())["methods"]
-    assert rows["DDP + AdamW fused"]["added"]["bytes_per_param"] == pytest.approx(28, abs=0.1)  # p, g, m, v in; p, m, v out
+    # p, g, m, v in; p, m, v out
+    assert rows["DDP + AdamW fused"]["added"]["bytes_per_param"] == pytest.approx(28, abs=0.1)
     assert rows["DDP + AdamS"]["added"]["bytes_per_param"] == pytest.approx(88, abs=0.1)
     scape = rows["SCAPE 99% native"]
     assert scape["sparse"] and scape["skipped_steps"] == 0 and scape["host_reads"] == 0

@@ -251,7 +251,7 @@ def _launch(tmp_path: Path, mode: str, *flags: str) -> subprocess.CompletedProce
     cli = [exe] if exe else [sys.executable, "-m", "accelerate_scape.cli"]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SCAPE_", "ACCELERATE_"))}
     env.update(OMP_NUM_THREADS="1", HF_HOME=str(tmp_path / "hf"), PYTHONUNBUFFERED="1", ACCELERATE_USE_CPU="1",
-               PYTHONPATH=os.pathsep.join(filter(None, [str(HERE.parents[1]), os.environ.get("PYTHONPATH")])))  # tests.*
+               PYTHONPATH=os.pathsep.join(filter(None, [str(HERE.parents[1]), os.environ.get("PYTHONPATH")])))
     cmd = cli + ["launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
                  "--dynamo_backend", "no", "--main_process_port", str(free_port()), *flags, str(HERE), mode,
                  str(tmp_path)]

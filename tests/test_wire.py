@@ -52,7 +52,8 @@ def test_a_non_finite_value_decodes_as_nan_and_leaves_its_block_as_it_was(plan, 
     at = seed % plan.segment
     poisoned = x.clone()
     poisoned[at] = bad
-    y, clean = decode(plan, encode(plan, poisoned)), decode(plan, encode(plan, x.index_fill(0, torch.tensor([at]), 0.0)))
+    y = decode(plan, encode(plan, poisoned))
+    clean = decode(plan, encode(plan, x.index_fill(0, torch.tensor([at]), 0.0)))
     assert not torch.isfinite(y[at])  # the entry poisons the step wherever it travels (NaN on integer wires)
     others = torch.arange(plan.segment) != at
     assert torch.equal(y[others], clean[others])  # as if it were 0: the block keeps a finite scale
