@@ -37,6 +37,7 @@ from common import (
     TokenBlocks,
     add_training_args,
     check_training_args,
+    conclude,
     count_parameters,
     evaluate,
     load_model_and_corpus,
@@ -73,7 +74,7 @@ class Recorder(TrainerCallback):
     def __init__(self, trainer_args: argparse.Namespace, val: DataLoader) -> None:
         self.args, self.val = trainer_args, val
         self.train: list[tuple[int, float]] = []
-        self.val_curve: list[tuple[int, float]] = []
+        self.val_curve: list[tuple[int, float, float]] = []  # (step, val loss, bytes this rank had sent)
         self.seconds = 0.0
         self.warmup_stats: dict[str, float] | None = None
         self.trainer: ScapeTrainer | None = None
@@ -87,7 +88,8 @@ class Recorder(TrainerCallback):
         if step == self.args.warmup_steps:
             self.warmup_stats = self.trainer.scape.stats()
         if step % self.args.val_every == 0 or step == self.args.max_steps:
-            self.val_curve.append((step, evaluate(model, self.val, self.args.val_batches)))  # every rank
+            loss = evaluate(model, self.val, self.args.val_batches)  # every rank
+            self.val_curve.append((step, loss, self.trainer.scape.stats().get("bytes_sent", 0.0)))
 
     def on_log(self, args, state, control, logs=None, **kwargs) -> None:
         if "loss" not in logs:
@@ -105,7 +107,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--resume", action="store_true", help="resume from the last checkpoint in --out")
     add_training_args(p, out="runs/hf_trainer")
     p.set_defaults(sparsity=None, warmup_steps=None, ramp_steps=None)  # unset: the launcher's settings decide
-    return check_training_args(p, p.parse_args(argv))
+    args = check_training_args(p, p.parse_args(argv))
+    if args.baseline:
+        p.error("--baseline: this example trains the SCAPE run only; gpt_finetune.py --baseline trains both")
+    return args
 
 
 def scape_settings(args: argparse.Namespace) -> dict:
@@ -157,10 +162,12 @@ def main(argv: list[str] | None = None) -> None:
               f"val loss {before:.3f}", flush=True)
     trainer.train(resume_from_checkpoint=True if args.resume else None)
     if rank == 0:
-        report(args, how="with transformers.Trainer", model=model, source=corpus.source, world_size=world,
-               device="cuda" if cuda else "cpu", val_before=before, val_after=recorder.val_curve[-1][1],
-               seconds=recorder.seconds, train_curve=recorder.train, val_curve=[(0, before), *recorder.val_curve],
-               stats=trainer.scape.stats() or None, warmup_stats=recorder.warmup_stats)
+        result = report(args, how="with transformers.Trainer", model=model, source=corpus.source, world_size=world,
+                        device="cuda" if cuda else "cpu", val_before=before, val_after=recorder.val_curve[-1][1],
+                        seconds=recorder.seconds, train_curve=recorder.train,
+                        val_curve=[(0, before, 0.0), *recorder.val_curve], stats=trainer.scape.stats() or None,
+                        warmup_stats=recorder.warmup_stats)
+        conclude([result], args.out)  # the loss curve
     if trainer.scape.active:
         trainer.scape.state.wait()  # no SCAPE collective in flight when the process group goes
     dist.destroy_process_group()
