@@ -69,7 +69,8 @@ class ScapeConfig:
         skip_streak_warning: warn (rank 0, once per streak) when this many consecutive optimizer
             steps were skipped for non-finite gradients: training has stopped moving. Counted on
             the device and read where SCAPE already reads it (``ScapeState.stats()``, which the
-            adapters call every step or log) and every 25 steps. ``0``: never warn.
+            adapters call every step or log), else from a copy started every 25 steps without
+            waiting (so up to 50 steps late). ``0``: never warn.
 
     Example:
         >>> ScapeConfig(sparsity=0.9, warmup_steps=20).density
