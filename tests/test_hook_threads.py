@@ -41,7 +41,8 @@ def _stress(rank, world, repeats, steps):
     for repeat in range(repeats):
         torch.manual_seed(repeat)
         model = nn.Sequential(*[nn.Linear(8, 8) for _ in range(12)])
-        ddp = DDP(model, process_group=group, bucket_cap_mb=1e-4)  # 26 floats: a weight per bucket (a bias joins the next)
+        # 26 floats a bucket: a weight each (a bias joins the next)
+        ddp = DDP(model, process_group=group, bucket_cap_mb=1e-4)
         state = ScapeState(ddp, sparsity=0.75, warmup_steps=4, ramp_steps=0, chunk_size=16)
         ddp.register_comm_hook(state, scape_hook)
         opt = ScapeAdamS(ddp.parameters(), state, lr=1e-2)
