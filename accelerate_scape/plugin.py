@@ -15,6 +15,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from accelerate_scape.settings import Settings, resolve_settings
 from scape_core import AdamS, ScapeAdamS, ScapeState, gather_state_dict, scape_hook
+from scape_core.checkpoint import verify_folder
 from scape_core.convert import adams_param_groups, to_adams, to_scape_adams
 from scape_core.model import unwrap_compiled
 
@@ -35,7 +36,9 @@ class ScapePlugin:
     any reference the script keeps drive the optimizer that trains), registers the SCAPE
     hook on the DDP model (also under ``torch.compile``) and registers this plugin with
     ``accelerator.register_for_checkpointing``, so ``save_state`` / ``load_state`` keep every
-    rank's SCAPE state (residuals, masks, step) and resume bit-for-bit.
+    rank's SCAPE state (residuals, masks, step) and resume bit-for-bit. ``load_state`` first checks
+    every torch file of the folder against its CRC-32s (:func:`scape_core.checkpoint.verify_folder`)
+    and refuses a damaged one, naming it, before anything is loaded.
 
     Works with ``accelerator.accumulate`` (DDP ``no_sync``), ``accelerator.clip_grad_norm_`` and
     bf16 mixed precision. fp16 (a GradScaler) is refused. Communication stats go to
@@ -54,7 +57,7 @@ class ScapePlugin:
         log_every: optimizer steps between automatic ``accelerator.log`` calls; ``0`` turns it off.
         **settings: ``ScapeConfig`` fields (``sparsity``, ``warmup_steps``, ``mask_delay``,
             ``mask_refresh``, ``error_feedback``, ``score``, ``update``, ``ramp_steps``, ``chunk_size``,
-            ``shard_optimizer``, ``wire``, ``wire_block``): the highest precedence. With
+            ``shard_optimizer``, ``wire``, ``wire_block``, ``skip_streak_warning``): the highest precedence. With
             ``shard_optimizer=True``, ``save_state`` writes the whole optimizer state (every rank
             gathers its shard) and ``load_state`` gives each rank its part, at any world size.
 
@@ -171,6 +174,8 @@ class ScapePlugin:
         self._prepared_optimizer = prepared
         converted.register_step_post_hook(self._after_step)
         accelerator.register_for_checkpointing(self)
+        # load_state runs it before it loads anything: a damaged file is refused with the run unchanged
+        accelerator.register_load_state_pre_hook(lambda models, input_dir: verify_folder(input_dir))
 
     # ----- reporting ------------------------------------------------------------------
     def stats(self) -> dict[str, float]:
@@ -197,6 +202,7 @@ class ScapePlugin:
         # verdict is on the device: one host read per step (as torch's GradScaler does)
         skipped = self.state.skipped_steps > self._skipped
         self._skipped = self.state.skipped_steps
+        self.state.check_streak()  # the device was just read: a long skip streak warns here
         self._prepared_optimizer._is_overflow = skipped
         if self.log_every and self.accelerator.trackers and self.state.step % self.log_every == 0:
             self.log()

@@ -29,10 +29,11 @@ import torch
 from transformers import Trainer, TrainerCallback
 
 from accelerate_scape.plugin import ScapePlugin
+from scape_core.checkpoint import verify_folder
 
 SCAPE_STATE_NAME = "scape_state.pt"  # in each checkpoint-<step> folder, next to optimizer.pt
-LOGGED = ("compression", "bytes_sent", "dense_bytes", "skipped_steps")  # as lightning_scape logs them
-_OVERRIDDEN = ("_save_optimizer_and_scheduler", "_load_optimizer_and_scheduler", "log")
+LOGGED = ("compression", "bytes_sent", "dense_bytes", "skipped_steps", "skipped_streak")  # as lightning_scape logs them
+_OVERRIDDEN = ("_load_from_checkpoint", "_save_optimizer_and_scheduler", "_load_optimizer_and_scheduler", "log")
 _missing = [name for name in _OVERRIDDEN if not callable(getattr(Trainer, name, None))]
 if _missing:
     import transformers
@@ -57,11 +58,14 @@ class ScapeTrainerMixin:
     ``optimizer.pt`` there from rank 0); every rank's SCAPE state is gathered there and rank 0
     writes it to ``scape_state.pt`` in the checkpoint folder. ``train(resume_from_checkpoint=...)``
     converts the optimizer before the Trainer loads its state and restores each rank's residual:
-    bit-for-bit at the same world size (with the native wire; see ``docs/reliability.md``).
+    bit-for-bit at the same world size (with the native wire; see ``docs/reliability.md``). A
+    damaged torch file in the checkpoint folder (``scape_state.pt``, ``optimizer.pt``, ...) is
+    refused, naming it, before the weights load (:func:`scape_core.checkpoint.verify_folder`).
 
     Logging: each training log (every ``logging_steps``) carries ``scape/compression``,
-    ``scape/bytes_sent``, ``scape/dense_bytes`` and ``scape/skipped_steps`` (rank 0's, since the
-    run began), so they reach ``report_to`` and ``trainer.state.log_history``.
+    ``scape/bytes_sent``, ``scape/dense_bytes``, ``scape/skipped_steps`` (rank 0's, since the
+    run began) and ``scape/skipped_streak`` (consecutive skipped steps now), so they reach
+    ``report_to`` and ``trainer.state.log_history``.
 
     Refused: DeepSpeed and FSDP (SCAPE replaces DDP's all-reduce), ``fp16=True`` (its loss
     scaler skips steps behind SCAPE's back: use ``bf16=True``), optimizers other than AdamW,
@@ -94,6 +98,11 @@ class ScapeTrainerMixin:
         """Hook the DDP model and convert the optimizer, once they are prepared (before the first step)."""
         if self.scape.accelerator is None:
             self.scape.attach(self.accelerator, self.model_wrapped, self.optimizer)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, *args: Any, **kwargs: Any) -> None:
+        # the first load of a resume (the weights): every torch file of the folder is checked first
+        verify_folder(resume_from_checkpoint)
+        super()._load_from_checkpoint(resume_from_checkpoint, *args, **kwargs)
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         self.attach_scape()  # the checkpoint's optimizer state goes into the converted optimizer

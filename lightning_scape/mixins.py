@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
+import os
 import warnings
 from typing import Any, Callable
 
@@ -18,6 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
 from scape_core import ScapeAdamS, ScapeConfig, ScapeState, gather_state_dict, scape_hook
+from scape_core.checkpoint import verify_file
 from scape_core.convert import to_scape_adams
 
 CHECKPOINT_KEY = "scape"  # checkpoint entry holding every rank's SCAPE state (gather_state_dict)
@@ -26,7 +28,7 @@ PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
 # the optimizer state (ScapeConfig.shard_optimizer)
 NAMES = {"scape": {"start_method": "popen"}, "scape_spawn": {"start_method": "spawn"},
          "scape_sharded": {"start_method": "popen", "shard_optimizer": True}}
-LOGGED = ("bytes_sent", "dense_bytes", "compression", "skipped_steps")
+LOGGED = ("bytes_sent", "dense_bytes", "compression", "skipped_steps", "skipped_streak")
 _CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(ScapeConfig))
 _FOREIGN_HOOK_ARGS = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
 
@@ -102,6 +104,12 @@ class ScapeStrategyMixin:
             raise RuntimeError("set up the model before its optimizer: SCAPE binds the optimizer to the model's state")
         return to_scape_adams(optimizers[0], self.scape_state)
 
+    @staticmethod
+    def _verify(path: Any) -> None:
+        """A damaged local checkpoint file is refused before Lightning loads anything from it."""
+        if isinstance(path, (str, os.PathLike)) and os.path.isfile(path):  # remote or folder: nothing to check
+            verify_file(path)
+
     def teardown(self) -> None:
         if self.scape_state is not None:
             self.scape_state.wait()  # no SCAPE collective left in flight when the process group goes
@@ -148,6 +156,10 @@ class TrainerStrategyMixin(ScapeStrategyMixin):
         if "optimizer_states" in checkpoint and self.scape_state is not None:
             checkpoint = {**checkpoint, CHECKPOINT_KEY: gather_state_dict(self.scape_state)}
         super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        self._verify(checkpoint_path)  # before the weights, the optimizer or SCAPE's state are restored
+        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 
     def load_optimizer_state_dict(self, checkpoint: dict[str, Any]) -> None:
         if CHECKPOINT_KEY not in checkpoint:
@@ -198,6 +210,7 @@ class FabricStrategyMixin(ScapeStrategyMixin):
 
     def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True,
                         weights_only: bool | None = None) -> dict[str, Any]:
+        self._verify(path)
         remainder = super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
         if self._holds_scape_optimizer(state):
             if CHECKPOINT_KEY not in remainder:

@@ -24,9 +24,11 @@ class ScapeStrategy(TrainerStrategyMixin, DDPStrategy):
     module keeps follow), warns when ``max_steps`` ends before the warm-up and ramp, writes every rank's
     SCAPE state into checkpoints under ``"scape"`` and resumes it with ``fit(ckpt_path=...)``
     (bit-for-bit at the same world size; a sharded optimizer is consolidated on rank 0 first, as
-    ``ZeroRedundancyOptimizer``, so the checkpoint holds its whole state), and logs
+    ``ZeroRedundancyOptimizer``, so the checkpoint holds its whole state; a damaged local file is
+    refused first, naming its damaged entry), and logs
     ``scape/bytes_sent``, ``scape/dense_bytes``, ``scape/compression`` and ``scape/skipped_steps``
-    (cumulative, this rank) to the loggers; the progress bar shows ``scape/compression`` as
+    (cumulative, this rank) and ``scape/skipped_streak`` (consecutive skipped steps now) to the
+    loggers; the progress bar shows ``scape/compression`` as
     ``9.0x`` and ``scape/sent`` in MB. ``accumulate_grad_batches`` and ``gradient_clip_val`` work as usual;
     precision ``32-true``, ``bf16-mixed`` and ``bf16-true`` are supported, ``16-mixed`` is refused
     (its loss scaler skips optimizer steps). One optimizer only.
@@ -35,7 +37,7 @@ class ScapeStrategy(TrainerStrategyMixin, DDPStrategy):
         config: a :class:`scape_core.ScapeConfig`; keyword fields below override it.
         **kwargs: any ``ScapeConfig`` field (``sparsity``, ``warmup_steps``, ``mask_delay``,
             ``mask_refresh``, ``error_feedback``, ``score``, ``update``, ``ramp_steps``, ``chunk_size``,
-            ``shard_optimizer``, ``wire``, ``wire_block``), any ``DDPStrategy``
+            ``shard_optimizer``, ``wire``, ``wire_block``, ``skip_streak_warning``), any ``DDPStrategy``
             argument (``start_method``, ``timeout``, ...) and any ``DistributedDataParallel``
             argument (``find_unused_parameters``, ``static_graph``, ...). ``ddp_comm_hook`` and
             model averaging are refused: SCAPE is the communication hook.

@@ -4,6 +4,8 @@
   returns), or every rank's in one object (:func:`gather_state_dict`).
 - :func:`check_loadable`: a saved state against this run (model, sparsity, layout, world size).
 - :func:`save_checkpoint` / :func:`load_checkpoint`: one atomic file for plain DDP scripts.
+- :func:`verify_file`: a torch file's zip records against their CRC-32s, before anything loads
+  (``torch.load`` does not check them); every SCAPE load path and adapter calls it.
 
 At the same world size every rank gets its own residual back; at another, every rank starts
 from the old ranks' mean residual (the global unsent gradient is kept), with a warning.
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import os
 import warnings
+import zipfile
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -191,13 +194,62 @@ def save_checkpoint(path: str | os.PathLike, state: "ScapeState", *, arrival_tim
     dist.barrier(group=state.process_group)
 
 
+def verify_file(path: str | os.PathLike) -> None:
+    """Raise ``ValueError`` naming ``path`` and its damaged entry unless every record of the torch
+    file at ``path`` matches the CRC-32 written with it.
+
+    ``torch.save`` writes a zip archive whose records each carry a CRC-32 of their bytes, but
+    ``torch.load`` never checks them: flipped bytes inside a tensor load silently as other numbers.
+    This reads the whole file once (about as long as loading it). A file that is not a zip archive
+    (truncated, or saved with ``_use_new_zipfile_serialization=False``) is refused too.
+
+    Example:
+        >>> import tempfile
+        >>> path = os.path.join(tempfile.mkdtemp(), "ckpt.pt")
+        >>> torch.save({"w": torch.ones(3)}, path)
+        >>> verify_file(path)              # intact: returns None
+    """
+    where = str(path)
+    try:
+        with zipfile.ZipFile(path) as archive:
+            damaged = archive.testzip()
+    except FileNotFoundError:
+        raise
+    except (zipfile.BadZipFile, OSError, EOFError) as e:  # no intact central directory
+        raise ValueError(f"cannot read checkpoint {where!r} (truncated or not a torch zip file): {e}") from e
+    except Exception as e:  # zipfile raises zlib / struct errors for a damaged header
+        raise ValueError(f"checkpoint {where!r} is damaged: {e}; nothing was loaded") from e
+    if damaged is not None:
+        raise ValueError(f"checkpoint {where!r} is damaged: its entry {damaged!r} does not match the CRC-32 written "
+                         "with it (the bytes on disk changed after saving); nothing was loaded. Resume from an "
+                         "intact copy or an earlier checkpoint")
+
+
+TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".ckpt")  # what torch.save writes in the frameworks' folders
+
+
+def verify_folder(folder: str | os.PathLike) -> None:
+    """:func:`verify_file` on every torch file directly in ``folder`` (its name ends in one of
+    :data:`TORCH_SUFFIXES`, or it is a zip archive): an Accelerate ``save_state`` folder, a Trainer
+    ``checkpoint-<step>`` folder. Other files (``model.safetensors``, JSON) carry no checksum.
+
+    Example:
+        >>> verify_folder(tempfile.mkdtemp())   # doctest: +SKIP
+    """
+    for entry in sorted(os.scandir(folder), key=lambda e: e.name):
+        if entry.is_file() and (entry.name.endswith(TORCH_SUFFIXES) or zipfile.is_zipfile(entry.path)):
+            verify_file(entry.path)
+
+
 def load_checkpoint(path: str | os.PathLike, state: "ScapeState", **objects: Any) -> dict[str, Any]:
     """Restore a :func:`save_checkpoint` file on this rank; returns the whole payload.
 
     The file and its SCAPE part are validated before anything is changed, so a truncated file,
-    a checkpoint of another model or of another sparsity raises ``ValueError`` and leaves the
-    run's own state as it was. At another world size every rank gets the mean residual.
+    a damaged one (:func:`verify_file`), a checkpoint of another model or of another sparsity
+    raises ``ValueError`` and leaves the run's own state as it was. At another world size every
+    rank gets the mean residual.
     """
+    verify_file(path)
     try:
         payload = torch.load(path, map_location="cpu", weights_only=False)
     except FileNotFoundError:

@@ -66,6 +66,11 @@ class ScapeConfig:
             and ``"native"`` with ``shard_optimizer`` (its masks and updates are all-gathered per
             coordinate, so more coordinates cost more than the values saved).
         wire_block: values per scale of an integer wire (at most; blocks split a segment evenly).
+        skip_streak_warning: warn (rank 0, once per streak) when this many consecutive optimizer
+            steps were skipped for non-finite gradients: training has stopped moving. Counted on
+            the device and read where SCAPE already reads it (``ScapeState.stats()``, which the
+            adapters call every step or log), else from a copy started every 25 steps without
+            waiting (so up to 50 steps late). ``0``: never warn.
 
     Example:
         >>> ScapeConfig(sparsity=0.9, warmup_steps=20).density
@@ -86,6 +91,7 @@ class ScapeConfig:
     shard_optimizer: bool = False
     wire: str = "auto"
     wire_block: int = 128
+    skip_streak_warning: int = 5
 
     def __post_init__(self) -> None:
         normalized = {  # any real number type (numpy scalars included) is kept as a Python float / int
@@ -95,6 +101,7 @@ class ScapeConfig:
             "mask_refresh": _check_int("mask_refresh", self.mask_refresh, minimum=1),
             "ramp_steps": _check_int("ramp_steps", self.ramp_steps, minimum=0),
             "chunk_size": _check_int("chunk_size", self.chunk_size, minimum=16),
+            "skip_streak_warning": _check_int("skip_streak_warning", self.skip_streak_warning, minimum=0),
         }
         for name, value in normalized.items():
             object.__setattr__(self, name, value)  # the dataclass is frozen

@@ -49,3 +49,19 @@ def test_an_encoded_wire_spends_the_same_bytes_on_more_coordinates():
         ScapeConfig(wire="int3")
     with pytest.raises(ValueError, match="wire_block"):
         ScapeConfig(wire_block=4)
+
+
+@pytest.mark.parametrize("ramp, stages", [
+    (10, [0.25] * 4 + [0.0625] * 3 + [0.015625] * 3),  # 10 / 3 is not whole: the first stage takes the extra step
+    (2, [0.25, 0.0625]),  # fewer steps than stages: the last stage gets none
+])
+def test_ramp_stage_edges_when_ramp_steps_is_not_a_multiple_of_3(ramp, stages):
+    s = MaskSchedule(sparsity=0.99, warmup_steps=5, ramp_steps=ramp)
+    assert [s.density_at(t) for t in range(5, 5 + ramp)] == stages
+    assert s.density_at(5 + ramp) == pytest.approx(0.01)  # the target from warmup + ramp_steps on
+    assert ScapeConfig(sparsity=0.99, warmup_steps=5, ramp_steps=ramp, wire="native").target_step == 5 + ramp
+    # only the 25% stage is denser than 10%: it lasts ramp_steps / 3 steps (rounded up), then the target
+    s = MaskSchedule(sparsity=0.9, warmup_steps=5, ramp_steps=ramp)
+    first = -(-ramp // 3)
+    assert [s.density_at(t) for t in range(5, 5 + first + 1)] == [0.25] * first + [pytest.approx(0.1)]
+    assert ScapeConfig(sparsity=0.9, warmup_steps=5, ramp_steps=ramp).target_step == 5 + first

@@ -193,7 +193,8 @@ def test_scape_stats_reach_the_trainer_logs(ranks):
     full = ranks[0]["full"]
     logged = full["logged_scape"]
     assert len(logged) == STEPS and set(logged[-1]) == {"scape/compression", "scape/bytes_sent",
-                                                        "scape/dense_bytes", "scape/skipped_steps"}
+                                                        "scape/dense_bytes", "scape/skipped_steps",
+                                                        "scape/skipped_streak"}
     assert logged[-1]["scape/bytes_sent"] == full["stats"]["bytes_sent"]
     assert logged[0]["scape/compression"] == 1.0 and logged[-1]["scape/compression"] > 2
 
@@ -251,6 +252,7 @@ def _launch(tmp_path: Path, mode: str, *flags: str) -> subprocess.CompletedProce
     cli = [exe] if exe else [sys.executable, "-m", "accelerate_scape.cli"]
     env = {k: v for k, v in os.environ.items() if not k.startswith(("SCAPE_", "ACCELERATE_"))}
     env.update(OMP_NUM_THREADS="1", HF_HOME=str(tmp_path / "hf"), PYTHONUNBUFFERED="1", ACCELERATE_USE_CPU="1",
+               # tests.* importable from the launched script
                PYTHONPATH=os.pathsep.join(filter(None, [str(HERE.parents[1]), os.environ.get("PYTHONPATH")])))
     cmd = cli + ["launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1", "--mixed_precision", "no",
                  "--dynamo_backend", "no", "--main_process_port", str(free_port()), *flags, str(HERE), mode,
