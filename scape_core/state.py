@@ -18,8 +18,8 @@ from scape_core.masks import Mask
 from scape_core.model import check_ddp_model, parameter_names
 from scape_core.selection import MaskSelector
 from scape_core.sharding import ShardExchange
+from scape_core.streak import STREAK_CHECK_EVERY, SkipStreak
 
-STREAK_CHECK_EVERY = 25  # steps between the reads of the skip streak when nothing else reads the device
 SINGLE_PROCESS = ("SCAPE: world size 1, nothing to communicate: SCAPE is inactive as a saving (stats() reports 0 "
                   "bytes sent, compression 1.0), but its sparse steps still update only each step's mask, which "
                   "is not AdamS. For a one-process run train with scape_core.AdamS (or sparsity=0), as "
@@ -118,11 +118,7 @@ class ScapeState:
         # (shard rows, chunk) fp32 (exact to 2^24 steps): the step each coordinate was last exchanged at
         self.window_buffer: Tensor | None = None
         self.skipped = torch.zeros((), dtype=torch.long, device=self.layout.device)  # on the device: no host read
-        # on the device too: [consecutive skipped steps now, of them with this rank's own gradients non-finite,
-        # streaks that reached config.skip_streak_warning, the step the last one did, this rank's count then]
-        self.streak = torch.zeros(5, dtype=torch.long, device=self.layout.device)
-        self._streaks_warned = 0
-        self._streak_copy: tuple[Tensor, Any] | None = None  # (host copy, its device event) in flight
+        self.streak = SkipStreak(self.config.skip_streak_warning, self.rank, self.layout.device)
         self.optimizer: Any = None
         if self.world_size == 1:
             warnings.warn(SINGLE_PROCESS, stacklevel=2)
@@ -206,70 +202,15 @@ class ScapeState:
     def end_step(self, momentum: Tensor, beta1: float, skip: Tensor) -> None:
         """Close the step, then select the masks of upcoming steps from ``momentum`` (the shard's rows)."""
         self.skipped += skip
-        self._count_streak(skip)
+        own = [x.finite for x in self.record.exchanges]  # this rank's own verdicts (sparse steps only)
+        self.streak.count(skip, ~torch.stack(own).all() if own else torch.zeros_like(skip), self.step)
         self.watch.stepped(self.record.applied_names)  # after the optimizer wrote into the buckets
         self.record = StepRecord(self.buckets)
         done, self.step = self.step, self.step + 1
         self.counters["steps"] += 1
         self.selector.after_step(done, momentum, self.residual_buffer, self.window_buffer, beta1)
         if self.step % STREAK_CHECK_EVERY == 0:
-            self._poll_streak()
-
-    def _count_streak(self, skip: Tensor) -> None:
-        """The skip streak on the device (a few 0-dim kernels, no host read); see :meth:`check_streak`."""
-        own = [x.finite for x in self.record.exchanges]  # this rank's own verdicts (sparse steps only)
-        own_bad = ~torch.stack(own).all() if own else torch.zeros((), dtype=torch.bool, device=skip.device)
-        run = torch.where(skip, self.streak[:2] + torch.stack([skip, own_bad & skip]).long(), 0)
-        reached = run[0] == self.config.skip_streak_warning
-        count, at, own_then = self.streak[2:]
-        self.streak.copy_(torch.stack([*run, count + reached.long(), torch.where(reached, self.step, at),
-                                       torch.where(reached, run[1], own_then)]))
-
-    def _poll_streak(self) -> None:
-        """Every 25 steps, without waiting: check the copy of the counters the last poll started (done
-        by now, or left for the next poll), then start a new one (``non_blocking``, with an event)."""
-        if not self.config.skip_streak_warning:
-            return
-        if self._streak_copy is not None:
-            host, event = self._streak_copy
-            if event is not None and not event.query():
-                return
-            self._warn_streak(host.tolist())
-        device = self.layout.device
-        host = torch.empty(5, dtype=torch.long, pin_memory=device.type == "cuda")
-        host.copy_(self.streak, non_blocking=device.type != "cpu")
-        event = None
-        if device.type != "cpu":
-            event = torch.Event(device=device.type)
-            event.record()
-        self._streak_copy = (host, event)
-
-    def check_streak(self) -> None:
-        """Warn (rank 0, once per streak) if ``config.skip_streak_warning`` consecutive steps were skipped.
-
-        Reads the device (one small tensor): :meth:`stats` calls it, where the device is read
-        anyway. Without it, ``end_step`` checks every 25 steps a copy started 25 steps before, so
-        a step never waits. A rank whose own gradients were non-finite in the streak (known on
-        sparse steps, where each rank checks what it sends) says so itself: no collective is
-        needed to name it.
-        """
-        if self.config.skip_streak_warning:
-            self._warn_streak(self.streak.tolist())
-
-    def _warn_streak(self, counters: list[int]) -> None:
-        limit = self.config.skip_streak_warning
-        reached, at, own = counters[2:]
-        if reached <= self._streaks_warned:
-            return
-        self._streaks_warned = reached
-        steps = f"steps {at - limit + 1}..{at}"
-        if self.rank == 0:
-            warnings.warn(f"SCAPE: {limit} consecutive optimizer steps were skipped ({steps}): a rank's gradients "
-                          "were non-finite (NaN/inf) at each, so nothing is being learned. Check the loss and the "
-                          "learning rate; stats()['skipped_streak'] counts the current streak", stacklevel=2)
-        if own:
-            warnings.warn(f"SCAPE: rank {self.rank}'s own gradients were non-finite in {own} of the {limit} "
-                          f"consecutive skipped steps ({steps})", stacklevel=2)
+            self.streak.poll()
 
     def wait(self) -> None:
         """Finish SCAPE's in-flight collectives (a mask all-gather, gloo's callbacks); call before
@@ -293,10 +234,15 @@ class ScapeState:
         if self.world_size == 1:  # a collective over one rank moves nothing
             c.update(values_sent=0, bytes_sent=0, mask_bytes=0, dense_bytes=0, shard_bytes=0)
         c["skipped_steps"] = self.skipped_steps
-        c["skipped_streak"] = int(self.streak[0])
+        c["skipped_streak"] = self.streak.current()
         c["compression"] = c["dense_bytes"] / c["bytes_sent"] if c["bytes_sent"] else 1.0
         self.check_streak()
         return c
+
+    def check_streak(self) -> None:
+        """Warn (rank 0, once per streak) of ``config.skip_streak_warning`` consecutive skipped steps;
+        reads the device (:meth:`stats` calls it). See :class:`~scape_core.streak.SkipStreak`."""
+        self.streak.check()
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's state: step, scheduled masks, residual and windows by name, counters."""
