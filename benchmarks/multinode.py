@@ -307,9 +307,9 @@ def node_kill(nodes: TwoNodes, workdir: Path, whole_node: bool = False, keep_buc
     Both ranks of node 1 are SIGKILLed once the first checkpoint exists; torchrun restarts every
     worker, which resume from the last checkpoint. ``whole_node``: its torchrun dies too and a
     replacement (the same command) starts on it, as a cluster scheduler would. ``keep_buckets``:
-    the model's DDP keeps its first bucket layout (``--find-unused-parameters``); otherwise, at 3+
-    ranks, the layout DDP rebuilds after its first step changes gloo's summation order and the
-    resumed run differs in the last bits (docs/reliability.md).
+    the model's DDP keeps its first bucket layout (``--find-unused-parameters``); otherwise DDP
+    rebuilds it after the restarted workers' first step, which SCAPE's sparse steps no longer
+    depend on (issue 21; docs/reliability.md).
     """
     args = ("--steps", str(steps), "--step-seconds", str(step_seconds),
             *(["--find-unused-parameters"] if keep_buckets else []))
