@@ -26,7 +26,6 @@ from torch.utils.data import DataLoader
 from tqdm.auto import tqdm
 
 from accelerate_scape import ScapePlugin
-from accelerate_scape.settings import resolve_settings
 
 from common import (
     SCAPE_DEFAULTS,
@@ -39,19 +38,12 @@ from common import (
     count_parameters,
     evaluate,
     forever,
+    launcher_scape_settings,
     load_model_and_corpus,
     next_token_loss,
     planned_runs,
     report,
 )
-
-
-def scape_settings(args: argparse.Namespace) -> dict:
-    """This script's flags > ``accelerate-scape launch`` flags, ``SCAPE_*`` or ``scape_config.yaml``
-    > SCAPE_DEFAULTS."""
-    given = {name: getattr(args, name) for name in SCAPE_DEFAULTS if getattr(args, name) is not None}
-    sources = resolve_settings(given).sources
-    return {**{name: v for name, v in SCAPE_DEFAULTS.items() if sources[name] == "default"}, **given}
 
 
 def train(args: argparse.Namespace, accelerator: Accelerator) -> dict:
@@ -66,7 +58,7 @@ def train(args: argparse.Namespace, accelerator: Accelerator) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_decay(args.max_steps * accelerator.num_processes))
 
     # --- SCAPE: the plugin prepares everything and turns AdamW into ScapeAdamS ---
-    scape = ScapePlugin(**scape_settings(args))
+    scape = ScapePlugin(**launcher_scape_settings(args))
     model, optimizer, train, val, scheduler = scape.prepare(accelerator, model, optimizer, train, val, scheduler)
     # ---------------------------------------------------------------------------
     for name in SCAPE_DEFAULTS:  # as resolved, for the summary

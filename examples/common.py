@@ -237,6 +237,17 @@ def add_training_args(p: argparse.ArgumentParser, out: str) -> None:
     p.add_argument("--out", default=out, help="folder for the loss curve, logs and summary.json")
 
 
+def launcher_scape_settings(args: argparse.Namespace) -> dict:
+    """The SCAPE settings of a script launched by ``accelerate-scape launch`` or torchrun: its own
+    flags > the launcher's (``SCAPE_*``, ``scape_config.yaml``) > :data:`SCAPE_DEFAULTS`. Parse with
+    ``check_training_args(..., fill_scape=False)`` so that flags not given stay ``None``."""
+    from accelerate_scape.settings import resolve_settings  # the Accelerate-side examples only
+
+    given = {name: getattr(args, name) for name in SCAPE_DEFAULTS if getattr(args, name) is not None}
+    sources = resolve_settings(given).sources
+    return {**{name: v for name, v in SCAPE_DEFAULTS.items() if sources[name] == "default"}, **given}
+
+
 def check_training_args(p: argparse.ArgumentParser, args: argparse.Namespace,
                         fill_scape: bool = True) -> argparse.Namespace:
     """Reject bad values naming the option; fill the model-dependent learning rate and, unless

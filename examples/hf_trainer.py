@@ -29,7 +29,6 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 from transformers import PrinterCallback, ProgressCallback, TrainerCallback, TrainingArguments, set_seed
 from transformers.utils import logging as hf_logging
 
-from accelerate_scape import resolve_settings
 from accelerate_scape.trainer import ScapeTrainer
 
 from common import (
@@ -40,11 +39,10 @@ from common import (
     conclude,
     count_parameters,
     evaluate,
+    launcher_scape_settings,
     load_model_and_corpus,
     report,
 )
-
-EXAMPLE_DEFAULTS = dict(sparsity=0.99, warmup_steps=30, ramp_steps=90)  # gpt_finetune.py's
 
 
 class Sequences(Dataset):
@@ -106,18 +104,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--save-every", type=int, default=0, help="Trainer checkpoint every N steps (0: none)")
     p.add_argument("--resume", action="store_true", help="resume from the last checkpoint in --out")
     add_training_args(p, out="runs/hf_trainer")
-    p.set_defaults(sparsity=None, warmup_steps=None, ramp_steps=None)  # unset: the launcher's settings decide
-    args = check_training_args(p, p.parse_args(argv))
+    args = check_training_args(p, p.parse_args(argv), fill_scape=False)  # unset: the launcher's settings decide
     if args.baseline:
         p.error("--baseline: this example trains the SCAPE run only; gpt_finetune.py --baseline trains both")
     return args
-
-
-def scape_settings(args: argparse.Namespace) -> dict:
-    """This script's SCAPE flags; where neither they nor the launcher set a value, gpt_finetune.py's defaults."""
-    given = {k: getattr(args, k) for k in (*EXAMPLE_DEFAULTS, "wire") if getattr(args, k) is not None}
-    sources = resolve_settings(given).sources
-    return given | {k: v for k, v in EXAMPLE_DEFAULTS.items() if sources[k] == "default"}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -148,7 +138,8 @@ def main(argv: list[str] | None = None) -> None:
     # --- SCAPE: ScapeTrainer instead of Trainer; the rest is the Trainer as usual ---
     trainer = ScapeTrainer(model=model, args=training, train_dataset=Sequences(TokenBlocks(corpus.train,
                                                                                              args.block_size)),
-                           compute_loss_func=next_token_loss, callbacks=[recorder], scape=scape_settings(args))
+                           compute_loss_func=next_token_loss, callbacks=[recorder],
+                           scape=launcher_scape_settings(args))
     # ---------------------------------------------------------------------------------
     recorder.trainer = trainer
     for printer in (ProgressCallback, PrinterCallback):  # the recorder prints a line per validation instead

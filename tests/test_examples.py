@@ -162,18 +162,22 @@ def test_the_examples_share_their_options_and_defaults(monkeypatch, tmp_path):
     args = common.check_training_args(p, p.parse_args([]))
     assert {k: getattr(args, k) for k in common.SCAPE_DEFAULTS} == common.SCAPE_DEFAULTS
     assert common.SCAPE_DEFAULTS == {"sparsity": 0.99, "warmup_steps": 30, "ramp_steps": 90, "wire": "auto"}
-    # Accelerate: the same defaults when neither its flags, SCAPE_* nor scape_config.yaml say otherwise
-    import accelerate_gpt
+    # Accelerate (and the Trainer example): the same defaults when neither their flags, SCAPE_* nor
+    # scape_config.yaml say otherwise
+    import hf_trainer
 
     monkeypatch.setenv("HF_HOME", str(tmp_path))  # no scape_config.yaml there
     for name in [k for k in os.environ if k.startswith("SCAPE_")]:
         monkeypatch.delenv(name)
     unset = common.check_training_args(p, p.parse_args([]), fill_scape=False)
-    assert accelerate_gpt.scape_settings(unset) == common.SCAPE_DEFAULTS
+    assert common.launcher_scape_settings(unset) == common.SCAPE_DEFAULTS
     monkeypatch.setenv("SCAPE_WARMUP_STEPS", "7")
     given = common.check_training_args(p, p.parse_args(["--sparsity", "0.9"]), fill_scape=False)
     # the flag wins, SCAPE_WARMUP_STEPS is left to the plugin, the rest are the examples' defaults
-    assert accelerate_gpt.scape_settings(given) == {"sparsity": 0.9, "ramp_steps": 90, "wire": "auto"}
+    assert common.launcher_scape_settings(given) == {"sparsity": 0.9, "ramp_steps": 90, "wire": "auto"}
+    # the Trainer example leaves unset flags unset too, so SCAPE_WARMUP_STEPS reaches its ScapeTrainer
+    trainer_args = hf_trainer.parse_args(["--sparsity", "0.9"])
+    assert common.launcher_scape_settings(trainer_args) == {"sparsity": 0.9, "ramp_steps": 90, "wire": "auto"}
 
 
 def test_planned_runs_put_the_dense_baseline_first():
