@@ -200,8 +200,8 @@ class ScapePlugin:
             return
         # Accelerate reads this for optimizer_step_was_skipped and to hold the LR scheduler back; the
         # verdict is on the device: one host read per step (as torch's GradScaler does)
-        skipped = self.state.skipped_steps > self._skipped
-        self._skipped = self.state.skipped_steps
+        now = self.state.skipped_steps
+        skipped, self._skipped = now > self._skipped, now
         self.state.check_streak()  # the device was just read: a long skip streak warns here
         self._prepared_optimizer._is_overflow = skipped
         if self.log_every and self.accelerator.trackers and self.state.step % self.log_every == 0:

@@ -30,9 +30,9 @@ from transformers import Trainer, TrainerCallback
 
 from accelerate_scape.plugin import ScapePlugin
 from scape_core.checkpoint import verify_folder
+from scape_core.state import scape_metrics
 
 SCAPE_STATE_NAME = "scape_state.pt"  # in each checkpoint-<step> folder, next to optimizer.pt
-LOGGED = ("compression", "bytes_sent", "dense_bytes", "skipped_steps", "skipped_streak")  # as lightning_scape logs them
 _OVERRIDDEN = ("_load_from_checkpoint", "_save_optimizer_and_scheduler", "_load_optimizer_and_scheduler", "log")
 _missing = [name for name in _OVERRIDDEN if not callable(getattr(Trainer, name, None))]
 if _missing:
@@ -128,8 +128,7 @@ class ScapeTrainerMixin:
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         if self.scape.active and "loss" in logs:  # the training logs, not evaluation or the final metrics
-            stats = self.scape.stats()
-            logs.update({f"scape/{name}": float(stats[name]) for name in LOGGED})
+            logs.update(scape_metrics(self.scape.stats()))
         super().log(logs, *args, **kwargs)
 
 

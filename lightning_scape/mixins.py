@@ -21,6 +21,7 @@ from torch.optim import Optimizer
 from scape_core import ScapeAdamS, ScapeConfig, ScapeState, gather_state_dict, scape_hook
 from scape_core.checkpoint import verify_file
 from scape_core.convert import to_scape_adams
+from scape_core.state import scape_metrics
 
 CHECKPOINT_KEY = "scape"  # checkpoint entry holding every rank's SCAPE state (gather_state_dict)
 PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
@@ -28,7 +29,6 @@ PRECISIONS = ("32-true", "bf16-mixed", "bf16-true")
 # the optimizer state (ScapeConfig.shard_optimizer)
 NAMES = {"scape": {"start_method": "popen"}, "scape_spawn": {"start_method": "spawn"},
          "scape_sharded": {"start_method": "popen", "shard_optimizer": True}}
-LOGGED = ("bytes_sent", "dense_bytes", "compression", "skipped_steps", "skipped_streak")
 _CONFIG_FIELDS = frozenset(f.name for f in dataclasses.fields(ScapeConfig))
 _FOREIGN_HOOK_ARGS = ("ddp_comm_state", "ddp_comm_hook", "ddp_comm_wrapper", "model_averaging_period")
 
@@ -44,11 +44,6 @@ def check_precision(plugin: Any) -> None:
         )
     if precision not in PRECISIONS:
         raise ValueError(f"SCAPE supports precision {PRECISIONS}, got {precision!r} ({type(plugin).__name__})")
-
-
-def scape_metrics(stats: dict[str, float]) -> dict[str, float]:
-    """``scape/<counter>`` for the logged counters (cumulative on this rank since the run began)."""
-    return {f"scape/{name}": float(stats[name]) for name in LOGGED}
 
 
 def progress_bar_text(stats: dict[str, float]) -> dict[str, str]:

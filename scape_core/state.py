@@ -26,6 +26,21 @@ SINGLE_PROCESS = ("SCAPE: world size 1, nothing to communicate: SCAPE is inactiv
                   "accelerate_scape.ScapePlugin does")
 
 
+LOGGED = ("bytes_sent", "dense_bytes", "compression", "skipped_steps", "skipped_streak")  # what adapters log
+
+
+def scape_metrics(stats: dict[str, float]) -> dict[str, float]:
+    """``scape/<counter>`` for the counters the adapters log (:meth:`ScapeState.stats`, cumulative
+    on this rank since the run began).
+
+    Example:
+        >>> scape_metrics(dict(bytes_sent=8, dense_bytes=80, compression=10.0, skipped_steps=0, skipped_streak=0))
+        {'scape/bytes_sent': 8.0, 'scape/dense_bytes': 80.0, 'scape/compression': 10.0, 'scape/skipped_steps': 0.0, \
+'scape/skipped_streak': 0.0}
+    """
+    return {f"scape/{name}": float(stats[name]) for name in LOGGED}
+
+
 class ScapeState:
     """State of the SCAPE communication hook, shared with its :class:`ScapeAdamS` optimizer.
 
