@@ -1,0 +1,280 @@
+"""SCAPE across the replicate dimension of FSDP2 (issue 22): 4 gloo processes as 2 replicas x 2 shards,
+the tiny transformer, on CPU. Dense SCAPE matches stock 2-D HSDP + AdamS; at 99% replicas stay
+bit-identical, a sparse step hands the replicate group about 1% of HSDP's bytes and follows the
+contract's arithmetic on each shard; a non-finite gradient on one replica skips the step everywhere."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from scape_core import AdamS
+from scape_core.compat import ALL_GATHER
+from scape_core.fsdp import ScapeFSDPState, scape_fsdp
+from tests import reference
+from tests.dist import failure, run_distributed
+from tests.test_resume import TinyTransformer
+
+LR, WD, BETAS, EPS = 3e-3, 0.1, (0.9, 0.95), 1e-8
+SCHEDULE = dict(warmup_steps=4, ramp_steps=3)  # native 99%: ramp 25%, 6.25%, 1.5625% one step each, then 1%
+
+
+def _mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+
+
+def _tokens(step: int, rank: int) -> torch.Tensor:
+    return torch.randint(0, 64, (4, 12), generator=torch.Generator().manual_seed(1000 * step + rank))
+
+
+def _loss(model: nn.Module, step: int, rank: int, scale: float = 1.0) -> torch.Tensor:
+    tokens = _tokens(step, rank)
+    logits = model(tokens[:, :-1])
+    return nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()) * scale
+
+
+def _scape(mesh, **fields):
+    model = TinyTransformer()
+    return scape_fsdp(model, mesh, lr=LR, weight_decay=WD, shard_modules=model.body.layers, **fields)
+
+
+def _local(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p._local_tensor.detach().reshape(-1) for p in model.parameters()])
+
+
+def _same_across(tensor: torch.Tensor, group) -> bool:
+    every = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(every, tensor, group=group)
+    return all(torch.equal(e, tensor) for e in every)
+
+
+# ----------------------------------------------------------------------------------------
+def _dense_against_hsdp(rank: int, world: int) -> dict:
+    from torch.distributed.fsdp import fully_shard
+    mesh = _mesh()
+    stock = TinyTransformer()
+    for layer in stock.body.layers:
+        fully_shard(layer, mesh=mesh)  # native HSDP on the 2-D mesh
+    fully_shard(stock, mesh=mesh)
+    adams = AdamS(stock.parameters(), lr=LR, weight_decay=WD)
+    model, opt = _scape(mesh, sparsity=0.0)
+    losses = {"hsdp": [], "scape": []}
+    for step in range(30):
+        for name, net, o in (("hsdp", stock, adams), ("scape", model, opt)):
+            loss = _loss(net, step, rank)
+            loss.backward()
+            o.step()
+            o.zero_grad()
+            losses[name].append(loss.item())
+    diff = max((a.full_tensor() - b.full_tensor()).abs().max().item()
+               for a, b in zip(stock.parameters(), model.parameters()))
+    return dict(losses=losses, param_diff=diff, stats=opt.scape.stats())
+
+
+def test_sparsity_0_is_stock_2d_hsdp_with_adams():
+    for out in run_distributed(_dense_against_hsdp, world_size=4):
+        torch.testing.assert_close(torch.tensor(out["losses"]["scape"]), torch.tensor(out["losses"]["hsdp"]),
+                                   rtol=1e-5, atol=1e-5)
+        assert out["param_diff"] < 1e-5, out["param_diff"]
+        assert out["stats"]["compression"] == 1.0
+
+
+# ----------------------------------------------------------------------------------------
+def _snapshot(state, opt) -> dict:
+    """This rank's shard of everything a SCAPE step reads and writes (the contract's terms)."""
+    layout = state.layout
+    view = lambda buffer, n: layout.view(buffer, n).detach().double().clone()  # noqa: E731
+    out = {"step": state.step, "param": {}, "m": {}, "sq": {}, "last_sync": {}, "residual": {}}
+    for name, p in state.params.items():
+        out["param"][name] = p._local_tensor.detach().reshape(-1).double().clone()
+        out["m"][name] = view(opt.momentum_buffer, name)
+        out["sq"][name] = view(opt.statistics["sq"], name)
+        if state.window_buffer is not None:
+            out["last_sync"][name] = layout.view(state.window_buffer, name).to(torch.int64).clone()
+        out["residual"][name] = (view(state.residual_buffer, name) if state.residual_buffer is not None
+                                 else torch.zeros(layout.numel[name], dtype=torch.float64))
+    return out
+
+
+def _mask(state, step: int) -> dict | None:
+    if state.is_dense(step):
+        return None
+    entries, out = state.masks[step].flat(state.layout), {}
+    for name in state.params:
+        start = state.layout.first_row[name] * state.layout.chunk
+        inside = entries[(entries >= start) & (entries < start + state.layout.numel[name])]
+        out[name] = (inside - start).sort().values
+    return out
+
+
+class _Counting:
+    """Wraps torch.distributed's collectives: bytes of the tensors handed to them, per process group."""
+
+    def __init__(self) -> None:
+        self.on, self.calls = False, []
+        self.real = {name: getattr(dist, name) for name in ("all_reduce", "all_to_all_single", ALL_GATHER)}
+        for name, real in self.real.items():
+            setattr(dist, name, self._wrap(name, real))
+
+    def _wrap(self, name, real):
+        def counted(*args, **kwargs):
+            if self.on:
+                sent = args[0] if name == "all_reduce" else args[1]
+                self.calls.append((name, kwargs.get("group"), sent.numel() * sent.element_size()))
+            return real(*args, **kwargs)
+        return counted
+
+    def bytes(self, group) -> int:
+        return sum(n for _, g, n in self.calls if g is group)
+
+    def restore(self) -> None:
+        for name, real in self.real.items():
+            setattr(dist, name, real)
+
+
+def _sparse_99(rank: int, world: int) -> dict:
+    mesh = _mesh()
+    counting = _Counting()
+    replicate = mesh.get_group("replicate")
+    try:
+        out = {}
+        for case, fields in (("native", dict(wire="native")), ("default", {})):
+            model, opt = _scape(mesh, sparsity=0.99, **fields, **SCHEDULE)
+            state = opt.scape
+            captured = {}
+
+            def hook(out_, g, state=state, captured=captured):
+                captured[g.index] = out_.detach().clone()  # the shard group's mean, before SCAPE
+                state.reduce(g, out_)
+
+            for g in state.groups:
+                g.module.set_all_reduce_hook(lambda out_, g=g, hook=hook: hook(out_, g))
+            identical, per_step, records = [], [], []
+            for step in range(14):
+                before, used = _snapshot(state, opt), _mask(state, step)
+                counting.calls.clear()
+                counting.on = True
+                _loss(model, step, dist.get_rank()).backward()
+                opt.step()
+                counting.on = False
+                dense = sum(g.numel for g in state.groups) * 4
+                per_step.append(dict(bytes=counting.bytes(replicate), dense=dense, mask=used is not None,
+                                     calls=len([c for c in counting.calls if c[1] is replicate])))
+                grads = {n: captured[g.index].split(g.split)[::2][i].double().clone()
+                         for g in state.groups for i, n in enumerate(g.names)}
+                opt.zero_grad()
+                records.append(dict(before=before, grads=grads, mask=used, after=_snapshot(state, opt)))
+                identical.append(_same_across(_local(model), replicate) and _same_across(
+                    opt.momentum_buffer, replicate))
+            out[case] = dict(identical=identical, per_step=per_step, records=records if case == "native" else None,
+                             stats=state.stats(), density=state.config.density)
+        out["coords"] = (dist.get_rank(mesh.get_group("replicate")), dist.get_rank(mesh.get_group("shard")))
+        return out
+    finally:
+        counting.restore()
+
+
+@pytest.fixture(scope="module")
+def sparse_runs() -> list[dict]:
+    return run_distributed(_sparse_99, world_size=4)
+
+
+@pytest.mark.parametrize("case", ["native", "default"])
+def test_replicas_stay_bit_identical_at_99(sparse_runs, case):
+    for out in sparse_runs:
+        assert all(out[case]["identical"]), out[case]["identical"]
+        assert out[case]["stats"]["skipped_steps"] == 0
+
+
+@pytest.mark.parametrize("case", ["native", "default"])
+def test_a_sparse_step_hands_the_replicate_group_about_1_percent_of_hsdp(sparse_runs, case):
+    for out in sparse_runs:
+        steps = out[case]["per_step"]
+        warm = [s for s in steps[:SCHEDULE["warmup_steps"]]]
+        assert all(s["bytes"] == s["dense"] for s in warm), warm  # dense: HSDP's all-reduce, every group
+        target = [s for s in steps[SCHEDULE["warmup_steps"] + 3:]]  # past the ramp
+        ratios = [s["bytes"] / s["dense"] for s in target]
+        assert all(0.005 < r < 0.025 for r in ratios), ratios
+        assert out[case]["stats"]["mask_bytes"] == 0  # replicated score: no mask travels
+
+
+def test_a_sparse_step_follows_the_contract_on_each_shard(sparse_runs):
+    by_shard: dict[int, list[dict]] = {}
+    for out in sorted(sparse_runs, key=lambda o: o["coords"]):
+        by_shard.setdefault(out["coords"][1], []).append(out["native"]["records"])
+    checked = 0
+    for shard, replicas in by_shard.items():
+        for t, recs in enumerate(zip(*replicas)):
+            mask = recs[0]["mask"]
+            want = reference.step([r["before"] for r in recs], [r["grads"] for r in recs], mask, rule="linear",
+                                  lr=LR, beta1=BETAS[0], beta2=BETAS[1], eps=EPS, weight_decay=WD)
+            for replica, (rec, exp) in enumerate(zip(recs, want)):
+                for name in exp["param"]:
+                    where = f"shard {shard} replica {replica} step {t} {name}"
+                    for key in ("param", "m", "residual") + (("sq",) if mask is not None else ()):
+                        torch.testing.assert_close(rec["after"][key][name], exp[key][name], rtol=1e-5, atol=1e-6,
+                                                   msg=lambda m, key=key: f"{where} {key}: {m}")
+                    if mask is not None:
+                        assert torch.equal(rec["after"]["last_sync"][name], exp["last_sync"][name]), where
+            checked += mask is not None
+    assert checked >= 2 * 8
+
+
+# ----------------------------------------------------------------------------------------
+def _nonfinite(rank: int, world: int) -> dict:
+    mesh = _mesh()
+    model, opt = _scape(mesh, sparsity=0.99, **SCHEDULE)
+    replicate = mesh.get_group("replicate")
+    bad_rank, changed = 2, []  # replica 1, shard 0
+    for step in range(10):
+        before = _local(model).clone()
+        scale = float("inf") if step in (2, 7) and dist.get_rank() == bad_rank else 1.0  # dense and sparse
+        _loss(model, step, dist.get_rank(), scale).backward()
+        opt.step()
+        opt.zero_grad()
+        changed.append(not torch.equal(before, _local(model)))
+    finite = bool(torch.isfinite(_local(model)).all()) and bool(torch.isfinite(opt.scape.residual_buffer).all())
+    return dict(changed=changed, skipped=opt.scape.skipped_steps, finite=finite,
+                identical=_same_across(_local(model), replicate))
+
+
+def test_a_non_finite_gradient_on_one_replica_skips_the_step_everywhere():
+    for out in run_distributed(_nonfinite, world_size=4):
+        assert out["skipped"] == 2
+        assert out["changed"] == [step not in (2, 7) for step in range(10)], out["changed"]
+        assert out["finite"] and out["identical"]
+
+
+# ----------------------------------------------------------------------------------------
+def _refusals(rank: int, world: int) -> dict:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
+    mesh = _mesh()
+    flat = init_device_mesh("cpu", (4,), mesh_dim_names=("shard",))
+    cube = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("replicate", "shard", "tp"))
+    hsdp = TinyTransformer()
+    fully_shard(hsdp, mesh=mesh)
+    fsdp1 = FullyShardedDataParallel.__new__(FullyShardedDataParallel)  # an FSDP1 module, not built (CPU)
+    nn.Module.__init__(fsdp1)
+    legacy = nn.Sequential(TinyTransformer(), fsdp1)
+    return {
+        "one_d": failure(lambda: scape_fsdp(TinyTransformer(), flat, sparsity=0.99)),
+        "three_d": failure(lambda: scape_fsdp(TinyTransformer(), cube, sparsity=0.99)),
+        "fsdp1": failure(lambda: scape_fsdp(legacy, mesh, sparsity=0.99)),
+        "hsdp_state": failure(lambda: ScapeFSDPState(hsdp, mesh.get_group("replicate"), sparsity=0.99)),
+        "not_mesh": failure(lambda: scape_fsdp(TinyTransformer(), "cpu", sparsity=0.99)),
+        "sharded_opt": failure(lambda: _scape(mesh, sparsity=0.99, shard_optimizer=True)),
+    }
+
+
+def test_unsupported_setups_are_refused_naming_the_argument():
+    errors = run_distributed(_refusals, world_size=4)[0]
+    assert "mesh is 1-D" in errors["one_d"] and "no replicate dimension" in errors["one_d"]
+    assert "mesh is 3-D" in errors["three_d"] and "tensor" in errors["three_d"]
+    assert "FSDP1" in errors["fsdp1"]
+    assert "HSDP" in errors["hsdp_state"] and "mesh['shard']" in errors["hsdp_state"]
+    assert errors["not_mesh"].startswith("TypeError: mesh must be")
+    assert "shard_optimizer" in errors["sharded_opt"]
