@@ -53,7 +53,9 @@ def check_ddp_model(model: nn.Module) -> nn.parallel.DistributedDataParallel:
     if not isinstance(inner, nn.parallel.DistributedDataParallel):
         raise TypeError(
             f"ScapeState needs the DistributedDataParallel-wrapped model, got {type(inner).__name__} "
-            "(FSDP and DeepSpeed shard gradients themselves and are not supported)"
+            "(FSDP and DeepSpeed shard gradients themselves; for FSDP2, SCAPE across the replicate dimension is "
+            "scape_core.scape_fsdp(model, mesh) on a 2-D (replicate, shard) mesh; FSDP1 and DeepSpeed are not "
+            "supported)"
         )
     for name, module in inner.module.named_modules():
         if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse:

@@ -278,3 +278,41 @@ def test_unsupported_setups_are_refused_naming_the_argument():
     assert "HSDP" in errors["hsdp_state"] and "mesh['shard']" in errors["hsdp_state"]
     assert errors["not_mesh"].startswith("TypeError: mesh must be")
     assert "shard_optimizer" in errors["sharded_opt"]
+
+
+# ----------------------------------------------------------------------------------------
+def _resume(rank: int, world: int, path: str) -> dict:
+    from scape_core.fsdp import load_fsdp_checkpoint, save_fsdp_checkpoint
+    mesh = _mesh()
+    save_at, steps = 8, 14  # inside the sparse steps, masks for steps 8 and 9 already chosen
+
+    def train(model, opt, start, stop):
+        for step in range(start, stop):
+            _loss(model, step, dist.get_rank()).backward()
+            opt.step()
+            opt.zero_grad()
+            if step + 1 == save_at and path_to_save:
+                save_fsdp_checkpoint(path, model, opt)
+
+    def final(model, opt):
+        return dict(param=_local(model).clone(), m=opt.momentum_buffer.clone(),
+                    residual=opt.scape.residual_buffer.clone(), windows=opt.scape.window_buffer.clone())
+
+    path_to_save = True
+    model, opt = _scape(mesh, sparsity=0.99, **SCHEDULE)
+    train(model, opt, 0, steps)
+    whole = final(model, opt)
+    path_to_save = False
+    model, opt = _scape(mesh, sparsity=0.99, **SCHEDULE)
+    load_fsdp_checkpoint(path, model, opt)
+    resumed_step = opt.scape.step
+    train(model, opt, save_at, steps)
+    again = final(model, opt)
+    return dict(step=resumed_step, differ={k: int((whole[k] != again[k]).sum()) for k in whole},
+                sizes={k: v.numel() for k, v in whole.items()})
+
+
+def test_a_dcp_checkpoint_resumes_bit_for_bit_at_the_same_mesh(tmp_path):
+    for out in run_distributed(_resume, str(tmp_path / "ckpt"), world_size=4):
+        assert out["step"] == 8
+        assert out["differ"] == {"param": 0, "m": 0, "residual": 0, "windows": 0}, (out["differ"], out["sizes"])
