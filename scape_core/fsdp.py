@@ -29,6 +29,7 @@ Example::
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Iterable
@@ -80,6 +81,8 @@ class FSDPStepRecord:
     """What the hooks did during the current backward, for the optimizer step."""
 
     outputs: dict[int, Tensor] = field(default_factory=dict)  # group index -> its reduce-scatter output
+    plans: dict[int, tuple[Tensor, Tensor, list[tuple[int, int]]]] = field(default_factory=dict)  # sparse:
+    # group index -> its mask entries, their positions in the output, their spans (ScapeFSDPState.entries)
     finite: list[Tensor] = field(default_factory=list)  # one 0-dim bool per group: its exchange was finite
     values: Tensor | None = None  # sparse: the exchanged mean at each mask entry (0 where not finite)
 
@@ -229,7 +232,7 @@ class ScapeFSDPState:
             return
         if not self.sparse_started:
             self.start_sparse()
-        entries, positions, spans = self.entries(g, mask)
+        entries, positions, spans = self.record.plans[g.index] = self.entries(g, mask)
         finite = torch.isfinite(output).all()
         picked = output.index_select(0, positions).float()  # a_r = g_r + e_r on the mask
         if self.residual_buffer is not None:
@@ -450,21 +453,24 @@ class ScapeFSDPAdamS(AdamS):
                 **hp: float) -> None:
         """The masked update: a fixed number of kernels per FSDP group, decided on the device."""
         scape = self.scape
-        record, plans = scape.record, [(g, *scape.entries(g, mask)) for g in scape.groups]
-        for g, *_ in plans:  # p.grad replaced (e.g. an out-of-place clip): copied into the hook's output
-            out = record.outputs[g.index]
-            moved = [(o, p.grad._local_tensor) for p, o in zip(g.params, out.split(g.split)[::2])
+        record = scape.record
+        views: dict[str, Tensor] = {}  # each parameter's coordinates in its group's reduce-scatter output
+        for g in scape.groups:
+            pieces = record.outputs[g.index].split(g.split)[::2]
+            moved = [(o, p.grad._local_tensor) for p, o in zip(g.params, pieces)
                      if p.grad._local_tensor.data_ptr() != o.data_ptr()]
-            if moved:
+            if moved:  # p.grad is not the hook's output (accumulated into, or replaced): copied there
                 torch._foreach_copy_([o for o, _ in moved], [x.reshape(-1) for _, x in moved])
+            views.update(zip(g.names, pieces))
         entries = mask.flat(scape.layout)
         s = torch.empty(entries.numel(), device=entries.device)
-        for g, _, positions, spans in plans:
+        for g in scape.groups:
+            _, positions, spans = record.plans[g.index]
             scatter_spans(s, spans, record.outputs[g.index].index_select(0, positions).float())
         applied = ~skip
         u = self._masked_update(entries, s, applied, hp)
-        for g, _, positions, spans in plans:  # each gradient now holds its dense update
-            out = record.outputs[g.index]
+        for g in scape.groups:  # each group's output now holds its dense update
+            out, (_, positions, spans) = record.outputs[g.index], record.plans[g.index]
             out.zero_()
             out.index_copy_(0, positions, gather_spans(u, spans).to(out.dtype))
         keep = applied.float()
@@ -474,9 +480,11 @@ class ScapeFSDPAdamS(AdamS):
             local = [p._local_tensor for p in params]
             if group["weight_decay"]:
                 torch._foreach_mul_(local, keep.mul(-group["lr"] * group["weight_decay"]).add_(1.0))
-            torch._foreach_add_(local, [p.grad._local_tensor for p in params], alpha=-group["lr"])
-        for g, _, positions, spans in plans:  # the synchronized gradients back in p.grad
-            record.outputs[g.index].index_copy_(0, positions, gather_spans(s, spans).to(record.outputs[g.index].dtype))
+            deltas = [views[self._names[p]].view_as(x) for p, x in zip(params, local)]
+            torch._foreach_add_(local, deltas, alpha=-group["lr"])
+        for g in scape.groups:  # the synchronized gradients back in p.grad
+            out, (_, positions, spans) = record.outputs[g.index], record.plans[g.index]
+            out.index_copy_(0, positions, gather_spans(s, spans).to(out.dtype))
         if record.values is not None and scape.residual_buffer is not None:  # what a skipped step sent goes back
             scape.residual_buffer.view(-1).index_add_(0, entries, record.values.masked_fill(applied, 0.0))
 
@@ -607,7 +615,7 @@ def _refuse_wrapped(model: nn.Module, fsdp_module: type, dtensor: type) -> None:
 
 def _param_groups(model: nn.Module) -> tuple[list[ParamGroup], dist.ProcessGroup | None]:
     """Every FSDP2 parameter group of ``model`` with trainable parameters, and their shard group."""
-    fsdp_module, _, dtensor = _fsdp2()
+    fsdp_module = _fsdp2()[0]
     from torch.distributed.fsdp import FullyShardedDataParallel
     from torch.distributed.tensor import Shard
     if any(isinstance(m, FullyShardedDataParallel) for m in model.modules()):
@@ -640,7 +648,7 @@ def _param_groups(model: nn.Module) -> tuple[list[ParamGroup], dist.ProcessGroup
             params = [fp.sharded_param for fp in trainable]
             split: list[int] = []
             for fp in trainable:
-                numel, padded = fp.sharded_param._local_tensor.numel(), _numel(fp.padded_sharded_param_size)
+                numel, padded = fp.sharded_param._local_tensor.numel(), math.prod(fp.padded_sharded_param_size)
                 split += [numel, padded - numel]
             groups.append(ParamGroup(len(groups), fqn, module, tuple(names[id(p)] for p in params), params,
                                      split, sum(split)))
@@ -651,11 +659,4 @@ def _param_groups(model: nn.Module) -> tuple[list[ParamGroup], dist.ProcessGroup
     if len(shard_groups) > 1:
         raise ValueError("the model's fully_shard calls use different meshes: SCAPE needs one shard mesh")
     return groups, shard_groups.pop()
-
-
-def _numel(size: Any) -> int:
-    out = 1
-    for d in size:
-        out *= d
-    return out
 
