@@ -157,7 +157,8 @@ class ScapeFSDPState:
     def _check_replicas(self) -> None:
         """Every member of the replicate group must hold the same shards (same layout): one all-gather."""
         mine = torch.tensor([self.layout.rows, sum(self.layout.numel.values()),
-                             dist.get_rank(self.shard_group) if self.shard_group is not None else 0])
+                             dist.get_rank(self.shard_group) if self.shard_group is not None else 0],
+                            device=self.layout.device)  # where the backend (NCCL) wants it
         every = [torch.zeros_like(mine) for _ in range(self.world_size)]
         dist.all_gather(every, mine, group=self.process_group)
         if any(not torch.equal(e, mine) for e in every):

@@ -37,7 +37,10 @@ def _loss(model: nn.Module, step: int, rank: int, scale: float = 1.0) -> torch.T
 
 
 def _scape(mesh, **fields):
-    model = TinyTransformer()
+    return _scape_model(TinyTransformer(), mesh, **fields)
+
+
+def _scape_model(model: nn.Module, mesh, **fields):
     return scape_fsdp(model, mesh, lr=LR, weight_decay=WD, shard_modules=model.body.layers, **fields)
 
 
@@ -264,15 +267,41 @@ def _nonfinite(rank: int, world: int) -> dict:
         opt.zero_grad()
         changed.append(not torch.equal(before, _local(model)))
     finite = bool(torch.isfinite(_local(model)).all()) and bool(torch.isfinite(opt.scape.residual_buffer).all())
-    return dict(changed=changed, skipped=opt.scape.skipped_steps, finite=finite,
-                identical=_same_across(_local(model), replicate))
+    out = dict(changed=changed, skipped=opt.scape.skipped_steps, finite=finite,
+               identical=_same_across(_local(model), replicate))
+    model, opt = _scape(mesh, sparsity=0.99, **SCHEDULE)  # gradient accumulation: one sync per optimizer step
+    for step in range(8):
+        for micro in range(2):
+            model.set_requires_gradient_sync(micro == 1)
+            _loss(model, 2 * step + micro, dist.get_rank(), 0.5).backward()
+        opt.step()
+        opt.zero_grad()
+    out["accumulated"] = dict(hook_calls=opt.scape.stats()["hook_calls"], groups=len(opt.scape.groups),
+                              identical=_same_across(_local(model), replicate), skipped=opt.scape.skipped_steps)
+    model = TinyTransformer()
+    model.unused = nn.Linear(2, 2)  # in the root group, never given a gradient
+    model, opt = _scape_model(model, mesh, sparsity=0.99, **SCHEDULE)
+    out["unused"] = failure(lambda: _loss(model, 0, dist.get_rank()).backward())
+    return out
 
 
-def test_a_non_finite_gradient_on_one_replica_skips_the_step_everywhere():
-    for out in run_distributed(_nonfinite, world_size=4):
+@pytest.fixture(scope="module")
+def edge_runs() -> list[dict]:
+    return run_distributed(_nonfinite, world_size=4)
+
+
+def test_a_non_finite_gradient_on_one_replica_skips_the_step_everywhere(edge_runs):
+    for out in edge_runs:
         assert out["skipped"] == 2
         assert out["changed"] == [step not in (2, 7) for step in range(10)], out["changed"]
         assert out["finite"] and out["identical"]
+
+
+def test_gradient_accumulation_syncs_once_per_step_and_a_parameter_without_gradient_is_named(edge_runs):
+    for out in edge_runs:
+        acc = out["accumulated"]
+        assert acc["hook_calls"] == 8 * acc["groups"] and acc["identical"] and acc["skipped"] == 0, acc
+        assert "got no gradient" in out["unused"] and "unused.weight" in out["unused"], out["unused"]
 
 
 # ----------------------------------------------------------------------------------------
