@@ -14,6 +14,7 @@ import torch
 from torch.optim import Optimizer
 
 from scape_core.adams import AdamS
+from scape_core.fsdp import ScapeFSDPAdamS, ScapeFSDPState
 from scape_core.optimizer import ScapeAdamS
 from scape_core.state import ScapeState
 
@@ -58,8 +59,11 @@ def adams_param_groups(optimizer: Optimizer) -> tuple[list[dict[str, Any]], dict
     return groups, defaults
 
 
-def to_scape_adams(optimizer: Optimizer, state: ScapeState) -> ScapeAdamS:
+def to_scape_adams(optimizer: Optimizer, state: ScapeState | ScapeFSDPState) -> ScapeAdamS | ScapeFSDPAdamS:
     """Turn ``optimizer`` (AdamW, Adam or AdamS, not yet stepped) into a :class:`ScapeAdamS` on ``state``, in place.
+
+    On a :class:`~scape_core.fsdp.ScapeFSDPState` (FSDP2) it becomes a
+    :class:`~scape_core.fsdp.ScapeFSDPAdamS`, by the same rules.
 
     The same groups and hyperparameters; the object is the same too, and that is the point.
     Everything that holds the optimizer the user built keeps driving the one that trains: an LR
@@ -77,7 +81,8 @@ def to_scape_adams(optimizer: Optimizer, state: ScapeState) -> ScapeAdamS:
         >>> to_scape_adams(opt, state) is opt and type(opt) is ScapeAdamS
         True
     """
-    if isinstance(optimizer, ScapeAdamS):
+    cls = ScapeFSDPAdamS if isinstance(state, ScapeFSDPState) else ScapeAdamS
+    if isinstance(optimizer, (ScapeAdamS, ScapeFSDPAdamS)):
         if optimizer.scape is not state:
             raise ValueError("this ScapeAdamS is bound to another ScapeState; pass a plain AdamW/Adam/AdamS "
                              "and let SCAPE convert it")
@@ -85,7 +90,7 @@ def to_scape_adams(optimizer: Optimizer, state: ScapeState) -> ScapeAdamS:
     if state.optimizer is not None:
         adams_param_groups(optimizer)  # an unsupported optimizer says so first
         raise ValueError("this ScapeState already has its optimizer: SCAPE supports exactly one optimizer")
-    return convert_in_place(optimizer, ScapeAdamS, state)
+    return convert_in_place(optimizer, cls, state)
 
 
 def to_adams(optimizer: Optimizer) -> AdamS:
@@ -100,7 +105,7 @@ def to_adams(optimizer: Optimizer) -> AdamS:
 
 
 def convert_in_place(optimizer: Optimizer, cls: type[AdamS], *args: Any) -> Any:
-    """Make ``optimizer`` an instance of ``cls`` (AdamS or ScapeAdamS) built by ``cls(groups, *args, **defaults)``.
+    """Make ``optimizer`` an instance of ``cls`` (AdamS or a subclass) built by ``cls(groups, *args, **defaults)``.
 
     What changes: the class (``type(opt)`` is ``cls``, ``isinstance(opt, AdamW)`` no longer holds),
     the defaults, and the Adam-only group keys (``amsgrad``, ``fused``, ...), dropped. What stays:

@@ -46,6 +46,7 @@ from scape_core.layout import FlatLayout, gather_spans, scatter_spans
 from scape_core.masks import Mask
 from scape_core.model import parameter_names
 from scape_core.selection import MaskSelector
+from scape_core.streak import STREAK_CHECK_EVERY, SkipStreak
 from scape_core.update_rules import UPDATE_RULES
 
 
@@ -147,6 +148,7 @@ class ScapeFSDPState:
         self.residual_buffer: Tensor | None = None  # (rows, chunk) fp32: this replica's unsent gradient
         self.window_buffer: Tensor | None = None  # (rows, chunk) fp32: the step each coordinate was last exchanged
         self.skipped = torch.zeros((), dtype=torch.long, device=self.layout.device)
+        self.streak = SkipStreak(self.config.skip_streak_warning, self.rank, self.layout.device)
         self.record = FSDPStepRecord()
         self._wire_plans: dict[int, wire.WirePlan] = {}
         self.optimizer: Any = None
@@ -316,10 +318,13 @@ class ScapeFSDPState:
     def end_step(self, momentum: Tensor, beta1: float, skip: Tensor) -> None:
         """Close the step, then select the masks of upcoming steps from ``momentum``."""
         self.skipped += skip
+        self.streak.count(skip, torch.zeros_like(skip), self.step)  # whose gradient it was: not known here
         self.record = FSDPStepRecord()
         done, self.step = self.step, self.step + 1
         self.counters["steps"] += 1
         self.selector.after_step(done, momentum, self.residual_buffer, self.window_buffer, beta1)
+        if self.step % STREAK_CHECK_EVERY == 0:
+            self.streak.poll()
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's SCAPE state (its shard, its replica's residual): step, masks, residual, windows,
@@ -354,6 +359,10 @@ class ScapeFSDPState:
         for g in self.groups:
             g.residual_views = None
 
+    def wait(self) -> None:
+        """Finish a mask all-gather in flight (per-rank scores); call before the process group goes."""
+        self.selector.finish_pending()
+
     @property
     def skipped_steps(self) -> int:
         """Steps skipped for non-finite gradients so far (reads the device)."""
@@ -363,6 +372,8 @@ class ScapeFSDPState:
         """Communication across the replicate group so far on this rank (as ``ScapeState.stats``)."""
         c: dict[str, float] = dict(self.counters)
         c["skipped_steps"] = self.skipped_steps
+        c["skipped_streak"] = self.streak.current()
+        self.streak.check()
         c["compression"] = c["dense_bytes"] / c["bytes_sent"] if c["bytes_sent"] else 1.0
         return c
 
@@ -508,51 +519,74 @@ class ScapeFSDPAdamS(AdamS):
         return u.masked_fill_(~applied, 0.0)
 
 
-def _checkpoint_entries(model: nn.Module, optimizer: ScapeFSDPAdamS) -> dict[str, Any]:
-    """What DCP saves: the model's DTensors, and per rank (its own key) the optimizer's and SCAPE's buffers."""
+def fsdp_rank_state(optimizer: ScapeFSDPAdamS) -> dict[str, Any]:
+    """This rank's optimizer and SCAPE state as DCP saves it beside the model: ``{"rank<r>": {...}}``.
+
+    Each rank's entry has its own key (its shards differ; DCP would keep one copy of a plain tensor
+    saved under one key by every rank). For frameworks that write the checkpoint themselves
+    (Lightning's ``optimizer_state``); :func:`load_fsdp_checkpoint` reads it back.
+
+    Example:
+        >>> dcp.save({"model": model.state_dict(), **fsdp_rank_state(opt)}, checkpoint_id=path)  # doctest: +SKIP
+    """
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     opt = dict(momentum=optimizer.momentum_buffer, steps=optimizer.steps, **optimizer.statistics,
                groups=json.dumps(groups))  # text: DCP would flatten a dict into one entry per value
-    return {"model": model.state_dict(),
-            f"rank{dist.get_rank()}": dict(optimizer=opt, scape=optimizer.scape.state_dict())}
+    return {f"rank{dist.get_rank()}": dict(optimizer=opt, scape=optimizer.scape.state_dict())}
 
 
 def save_fsdp_checkpoint(checkpoint_id: str, model: nn.Module, optimizer: ScapeFSDPAdamS) -> None:
     """Save model, optimizer and SCAPE state with ``torch.distributed.checkpoint`` (collective).
 
     Parameters are saved as DTensors; ``m``, the rule's statistics, the residual, the windows, the
-    masks and the step are each rank's own entry, so :func:`load_fsdp_checkpoint` at the same mesh
-    resumes bit-for-bit.
+    masks and the step are each rank's own entry (:func:`fsdp_rank_state`), so
+    :func:`load_fsdp_checkpoint` at the same mesh resumes bit-for-bit.
 
     Example:
         >>> save_fsdp_checkpoint("ckpt/step_1000", model, opt)   # doctest: +SKIP
         >>> load_fsdp_checkpoint("ckpt/step_1000", model, opt)   # doctest: +SKIP
     """
     import torch.distributed.checkpoint as dcp
-    dcp.save(_checkpoint_entries(model, optimizer), checkpoint_id=checkpoint_id)
+    dcp.save({"model": model.state_dict(), **fsdp_rank_state(optimizer)}, checkpoint_id=checkpoint_id)
 
 
-def load_fsdp_checkpoint(checkpoint_id: str, model: nn.Module, optimizer: ScapeFSDPAdamS) -> None:
-    """Load :func:`save_fsdp_checkpoint`'s checkpoint into ``model`` and ``optimizer`` (collective; same mesh)."""
+def load_fsdp_checkpoint(checkpoint_id: Any, model: nn.Module, optimizer: ScapeFSDPAdamS | None, *,
+                         model_key: str = "model", optimizer_key: str | None = None) -> None:
+    """Load :func:`save_fsdp_checkpoint`'s checkpoint into ``model`` and ``optimizer`` (collective; same mesh).
+
+    ``model_key`` and ``optimizer_key`` say where the model's state dict and the ranks' entries of
+    :func:`fsdp_rank_state` sit (Lightning writes them under ``"state_dict"`` and ``"optimizer_0"``);
+    ``optimizer=None`` loads the model only.
+
+    Example:
+        >>> load_fsdp_checkpoint("ckpt/step_1000", model, opt)   # doctest: +SKIP
+    """
     import torch.distributed.checkpoint as dcp
-    key = f"rank{dist.get_rank()}"
-    head: dict[str, Any] = {key: {"scape": {"meta": ""}}}
-    dcp.load(head, checkpoint_id=checkpoint_id)  # first the shapes: which masks, which buffers
-    meta = json.loads(head[key]["scape"]["meta"])
-    state, layout = optimizer.scape, optimizer.scape.layout
-    scape: dict[str, Any] = dict(meta=head[key]["scape"]["meta"], skipped=torch.zeros_like(state.skipped),
-                                 masks={t: torch.zeros(layout.rows, layout.mask_shape(d).k, dtype=torch.int16)
-                                        for t, d in meta["densities"].items()})
-    for name in ("residual", "windows"):
-        if meta[name]:
-            scape[name] = layout.zeros()
-    entries = _checkpoint_entries(model, optimizer)
-    entries[key]["scape"] = scape
+    entries: dict[str, Any] = {model_key: model.state_dict()}
+    if optimizer is not None:
+        key = f"rank{dist.get_rank()}"
+        nest = (lambda entry: {optimizer_key: entry}) if optimizer_key else (lambda entry: entry)  # noqa: E731
+        unnest = (lambda tree: tree[optimizer_key]) if optimizer_key else (lambda tree: tree)  # noqa: E731
+        head: dict[str, Any] = nest({key: {"scape": {"meta": ""}}})
+        dcp.load(head, checkpoint_id=checkpoint_id)  # first the shapes: which masks, which buffers
+        text = unnest(head)[key]["scape"]["meta"]
+        meta = json.loads(text)
+        state, layout = optimizer.scape, optimizer.scape.layout
+        scape: dict[str, Any] = dict(meta=text, skipped=torch.zeros_like(state.skipped),
+                                     masks={t: torch.zeros(layout.rows, layout.mask_shape(d).k, dtype=torch.int16)
+                                            for t, d in meta["densities"].items()})
+        for name in ("residual", "windows"):
+            if meta[name]:
+                scape[name] = layout.zeros()
+        mine = fsdp_rank_state(optimizer)
+        mine[key]["scape"] = scape
+        entries.update(nest(mine))
     dcp.load(entries, checkpoint_id=checkpoint_id)  # the optimizer's buffers in place
-    model.load_state_dict(entries["model"])
-    for group, saved in zip(optimizer.param_groups, json.loads(entries[key]["optimizer"]["groups"])):
-        group.update(saved, betas=tuple(saved["betas"]))
-    state.load_state_dict(scape)
+    model.load_state_dict(entries[model_key])
+    if optimizer is not None:
+        for group, saved in zip(optimizer.param_groups, json.loads(mine[key]["optimizer"]["groups"])):
+            group.update(saved, betas=tuple(saved["betas"]))
+        state.load_state_dict(scape)
 
 
 def scape_fsdp(model: nn.Module, mesh: Any, sparsity: float | None = None, *, lr: float = 1e-3,
