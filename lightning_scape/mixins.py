@@ -46,6 +46,20 @@ def check_precision(plugin: Any) -> None:
         raise ValueError(f"SCAPE supports precision {PRECISIONS}, got {precision!r} ({type(plugin).__name__})")
 
 
+def scape_config(config: ScapeConfig | None, kwargs: dict[str, Any]) -> ScapeConfig:
+    """``config`` (or the defaults) with the :class:`ScapeConfig` fields popped from ``kwargs`` applied.
+
+    Example:
+        >>> kwargs = {"sparsity": 0.9, "timeout": None}
+        >>> scape_config(None, kwargs).sparsity, kwargs
+        (0.9, {'timeout': None})
+    """
+    if config is not None and not isinstance(config, ScapeConfig):
+        raise TypeError(f"config must be a ScapeConfig, got {type(config).__name__}")
+    fields = {k: kwargs.pop(k) for k in list(kwargs) if k in _CONFIG_FIELDS}
+    return (config or ScapeConfig()).replace(**fields)
+
+
 def progress_bar_text(stats: dict[str, float]) -> dict[str, str]:
     """What the progress bar shows of SCAPE, formatted (the loggers get :func:`scape_metrics`' raw numbers).
 
@@ -60,10 +74,7 @@ class ScapeStrategyMixin:
     """The SCAPE config (any :class:`ScapeConfig` field as a keyword) and the state built at setup."""
 
     def __init__(self, config: ScapeConfig | None = None, **kwargs: Any) -> None:
-        if config is not None and not isinstance(config, ScapeConfig):
-            raise TypeError(f"config must be a ScapeConfig, got {type(config).__name__}")
-        fields = {k: kwargs.pop(k) for k in list(kwargs) if k in _CONFIG_FIELDS}
-        self.scape_config = (config or ScapeConfig()).replace(**fields)
+        self.scape_config = scape_config(config, kwargs)
         for name in _FOREIGN_HOOK_ARGS:
             if kwargs.get(name) is not None:
                 raise TypeError(f"{type(self).__name__} registers SCAPE's communication hook itself; "

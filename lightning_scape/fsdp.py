@@ -1,0 +1,165 @@
+"""SCAPE with FSDP2 for ``lightning.Trainer``: shard inside a node, SCAPE across nodes ("custom HSDP").
+
+Lightning's ``ModelParallelStrategy`` builds a ``("data_parallel", "tensor_parallel")`` mesh of
+shape ``(nodes, devices per node)`` and hands it to ``configure_model``. That shape is HSDP's, but
+not its meaning: ranks of one tensor-parallel group read the same batches, and FSDP there shards
+on ``"data_parallel"``, across nodes. :class:`ScapeModelParallelStrategy` keeps the shape and
+names the dimensions for what they are, ``("replicate", "shard")``: ``configure_model`` shards
+with ``fully_shard(..., mesh=self.device_mesh["shard"])`` (inside a node), every rank reads its
+own batches, and SCAPE (:class:`scape_core.fsdp.ScapeFSDPState`) exchanges the gradients across
+``"replicate"``.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Generator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any, Callable, Literal
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies.model_parallel import _is_sharded_checkpoint
+from lightning.fabric.utilities.load import _METADATA_FILENAME
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
+from torch.optim import Optimizer
+
+from lightning_scape.mixins import check_precision, progress_bar_text, scape_config
+from scape_core import ScapeConfig
+from scape_core.convert import to_scape_adams
+from scape_core.fsdp import ScapeFSDPState, fsdp_rank_state, load_fsdp_checkpoint
+from scape_core.state import scape_metrics
+
+MESH_DIMS = ("replicate", "shard")
+
+
+class ScapeModelParallelStrategy(ModelParallelStrategy):
+    """FSDP2 inside each node and SCAPE's sparse exchange across nodes, for ``lightning.Trainer``.
+
+    ``import lightning_scape`` registers it as ``strategy="scape_fsdp"``. The LightningModule
+    shards itself in ``configure_model`` as Lightning expects, on the inner dimension of
+    ``self.device_mesh`` (``("replicate", "shard")``, shape ``(num_nodes, devices)`` unless
+    ``replicate_size`` / ``shard_size`` say otherwise)::
+
+        def configure_model(self):
+            for block in self.model.layers:
+                fully_shard(block, mesh=self.device_mesh["shard"])
+            fully_shard(self.model, mesh=self.device_mesh["shard"])
+
+    What it changes versus ``ModelParallelStrategy``: the mesh's names and meaning (every rank
+    reads its own batches: the sampler spans the world); after ``configure_model`` it builds a
+    :class:`~scape_core.fsdp.ScapeFSDPState` over ``"replicate"`` and converts the optimizer of
+    ``configure_optimizers`` (AdamW, Adam or AdamS) in place to
+    :class:`~scape_core.fsdp.ScapeFSDPAdamS` (LR schedulers follow); ``accumulate_grad_batches``
+    syncs once per optimizer step (``set_requires_gradient_sync``); it logs ``scape/*`` as
+    :class:`~lightning_scape.ScapeStrategy`; checkpoints are Lightning's distributed ones (a folder,
+    DCP) with each rank's optimizer and SCAPE state as its own entry, and ``fit(ckpt_path=...)``
+    resumes bit-for-bit at the same mesh. ``save_distributed_checkpoint=False`` (one gathered
+    file) is refused: SCAPE's residuals differ per rank. One optimizer; precision ``32-true``,
+    ``bf16-mixed``, ``bf16-true``.
+
+    Args:
+        config: a :class:`scape_core.ScapeConfig`; keyword fields override it.
+        replicate_size: ranks holding the same shard (default: the number of nodes).
+        shard_size: ranks sharing one model (default: the devices per node).
+        **kwargs: any ``ScapeConfig`` field; ``process_group_backend``, ``timeout``.
+
+    Example::
+
+        trainer = L.Trainer(num_nodes=2, devices=8, strategy=ScapeModelParallelStrategy(sparsity=0.99))
+        trainer.strategy.scape_state.stats()   # after fit: steps, bytes_sent, dense_bytes, compression, ...
+    """
+
+    def __init__(self, config: ScapeConfig | None = None, *, replicate_size: Literal["auto"] | int = "auto",
+                 shard_size: Literal["auto"] | int = "auto", save_distributed_checkpoint: bool = True,
+                 process_group_backend: str | None = None, timeout: Any = default_pg_timeout, **kwargs: Any) -> None:
+        self.scape_config = scape_config(config, kwargs)
+        if kwargs:
+            raise TypeError(f"{type(self).__name__} got unknown argument(s) {sorted(kwargs)}: expected ScapeConfig "
+                            "fields, replicate_size, shard_size, process_group_backend or timeout")
+        if not save_distributed_checkpoint:
+            raise ValueError("save_distributed_checkpoint=False is not supported with SCAPE: each rank's residual and "
+                             "masks are its own, so the checkpoint is a DCP folder with one entry per rank")
+        if self.scape_config.shard_optimizer:
+            raise ValueError("shard_optimizer=True is not supported with FSDP2: its optimizer state is the local "
+                             "shards already (sharded inside the node)")
+        super().__init__(data_parallel_size=replicate_size, tensor_parallel_size=shard_size,
+                         process_group_backend=process_group_backend, timeout=timeout)
+        self.scape_state: ScapeFSDPState | None = None
+
+    def setup_environment(self) -> None:
+        super().setup_environment()  # resolves the sizes and checks their product is the world size
+        from torch.distributed.device_mesh import init_device_mesh
+        self._device_mesh = init_device_mesh(self.root_device.type, tuple(self.device_mesh.shape),
+                                             mesh_dim_names=MESH_DIMS)
+        self.lightning_module._device_mesh = self._device_mesh  # what configure_model reads
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.world_size, "rank": self.global_rank}  # data-parallel on both dimensions
+
+    def setup(self, trainer: Any) -> None:
+        if trainer.state.fn == "fit":
+            check_precision(self.precision_plugin)
+        super().setup(trainer)
+
+    def setup_optimizers(self, trainer: Any) -> None:
+        super().setup_optimizers(trainer)  # after configure_model and the materialization: the shards exist
+        if len(self.optimizers) != 1:
+            raise ValueError(f"SCAPE trains with exactly one optimizer, got {len(self.optimizers)}")
+        self.scape_state = ScapeFSDPState(self.model, self.device_mesh.get_group(MESH_DIMS[0]),
+                                          config=self.scape_config)
+        self.optimizers = [to_scape_adams(self.optimizers[0], self.scape_state)]  # in place: schedulers follow
+        total = trainer.estimated_stepping_batches
+        warning = self.scape_config.short_run_warning(int(total)) if math.isfinite(total) else None
+        if warning and self.global_rank == 0:
+            warnings.warn(warning, stacklevel=2)
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Accumulation: no FSDP reduction (hence no SCAPE exchange) until the step's last backward."""
+        from torch.distributed.fsdp import FSDPModule
+        modules = [m for m in self.model.modules() if isinstance(m, FSDPModule)]
+        for module in modules:
+            module.set_requires_gradient_sync(False, recurse=False)
+        try:
+            yield None
+        finally:
+            for module in modules:
+                module.set_requires_gradient_sync(True, recurse=False)
+
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        output = super().optimizer_step(optimizer, closure, model, **kwargs)
+        stats = self.scape_state.stats()
+        self.lightning_module.log_dict(scape_metrics(stats), on_step=True, on_epoch=False)
+        self.lightning_module.trainer.progress_bar_metrics.update(progress_bar_text(stats))
+        return output
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """This rank's entry (:func:`scape_core.fsdp.fsdp_rank_state`): Lightning saves it with DCP."""
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer._optimizer
+        return fsdp_rank_state(optimizer)
+
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        path = Path(self.broadcast(checkpoint_path))
+        if not _is_sharded_checkpoint(path):
+            raise ValueError(f"{path} is not a distributed checkpoint folder: SCAPE's FSDP2 strategy resumes from "
+                             "the folders it saves (trainer.save_checkpoint / ModelCheckpoint)")
+        optimizer = self.optimizers[0] if self.optimizers else None  # none outside fit: the weights only
+        load_fsdp_checkpoint(path, self.model, optimizer, model_key="state_dict", optimizer_key="optimizer_0")
+        return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)  # loops, schedulers, callbacks
+
+    def teardown(self) -> None:
+        if self.scape_state is not None:
+            self.scape_state.wait()
+        super().teardown()
+
+
+def register() -> None:
+    """Register ``"scape_fsdp"`` with the Trainer's registry."""
+    StrategyRegistry.register("scape_fsdp", ScapeModelParallelStrategy, override=True,
+                              description="SCAPE across nodes, FSDP2 inside each node")
