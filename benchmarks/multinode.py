@@ -12,6 +12,7 @@ failure or SIGTERM. Without root or ``ip``/``tc`` it says so and skips.
     sudo python benchmarks/multinode.py bench --gbit 1        # comm_bench's methods on 2 x 2 ranks
     sudo python benchmarks/multinode.py rehearse --gbit 1     # the examples: torchrun, Lightning, Accelerate
     sudo python benchmarks/multinode.py faults                # a node killed mid-training; a link lost
+    sudo python benchmarks/multinode.py fsdp --gbit 1         # FSDP2 in each node: stock HSDP vs SCAPE across
 
 On two real machines the launch is the same with their addresses and interface (see README,
 "Multi-node"). Both namespaces share one hostname, so torchrun's c10d rendezvous is told which
@@ -35,7 +36,7 @@ from pathlib import Path
 from typing import Callable, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
-from benchmarks import comm_bench  # noqa: E402
+from benchmarks import comm_bench, fsdp_bench  # noqa: E402
 from benchmarks.bench_common import core_version, launch, machine  # noqa: E402
 from benchmarks.comm_bench import Namespace  # noqa: E402
 
@@ -506,6 +507,27 @@ def bench_report(report: dict) -> str:
     return "\n".join(out)
 
 
+# ----- FSDP2: shard inside each node, SCAPE (or stock HSDP) across the veth ---------------------
+def fsdp(args: argparse.Namespace) -> dict:
+    """``fsdp_bench.py``'s worker on 2 x 2 ranks under torchrun: mesh (replicate, shard) = (nodes, node's ranks)."""
+    report: dict = {"command": " ".join(["python", "benchmarks/multinode.py"] + sys.argv[1:]), "machine": machine(),
+                    "core": core_version(), "nodes": 2, "ranks_per_node": RANKS_PER_NODE}
+    with TwoNodes(gbit=args.gbit or None) as nodes, tempfile.TemporaryDirectory() as tmp:
+        result = Path(tmp) / "result.json"
+        argv = fsdp_bench.worker_argv(args, IFACE, str(result))
+        print(f"2 x 2 ranks, FSDP2 in each node, link {nodes.describe()}: {args.methods}", flush=True)
+        load = os.getloadavg()[0]
+        before = nodes.counters()
+        runs = run_checked(nodes, [torchrun(nodes, n, argv) for n in (0, 1)], args.timeout, Path(tmp) / "logs")
+        after = nodes.counters()
+        report.update(link=nodes.describe(), seconds=round(max(r.seconds for r in runs), 1),
+                      commands=[shown(torchrun(nodes, n, ["benchmarks/fsdp_bench.py", "..."])) for n in (0, 1)],
+                      loadavg=[round(load, 2), round(os.getloadavg()[0], 2)],
+                      veth_bytes_whole_run=[after[n][IFACE] - before[n][IFACE] for n in (0, 1)],
+                      **json.loads(result.read_text()))
+    return report
+
+
 # ----- driver ------------------------------------------------------------------------------------
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
@@ -532,7 +554,16 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     f.add_argument("--timeout", type=float, default=10, help="the ranks' collective timeout for the link loss")
     f.add_argument("--outage", type=float, default=30, help="seconds the link stays down")
     f.add_argument("--json", default=str(ROOT / "docs" / "multinode_faults.json"))
+    d = sub.add_parser("fsdp", help="FSDP2 inside each node: stock 2-D HSDP + AdamS vs SCAPE across the veth")
+    fsdp_bench.add_args(d)
+    d.add_argument("--gbit", type=float, default=1.0, help="link rate, Gbit/s per direction (0: unshaped)")
+    d.add_argument("--timeout", type=float, default=360, help="seconds before every rank is killed")
+    d.add_argument("--json", default=str(ROOT / "docs" / "multinode_fsdp.json"))
     args = p.parse_args(argv)
+    if args.command == "fsdp":
+        args.methods = [m.strip() for m in args.methods.split(",")]
+        if set(args.methods) - set(fsdp_bench.METHODS):
+            d.error(f"--methods: choose from {list(fsdp_bench.METHODS)}")
     if args.command == "bench":
         comm_bench.check_run_args(b, args)
         args.gbit = [float(g) for g in args.gbit.split(",")]
@@ -553,6 +584,10 @@ def main() -> None:
     if args.command == "bench":
         report = bench(args)
         text = bench_report(report)
+    elif args.command == "fsdp":
+        report = fsdp(args)
+        text = (f"GPT {report['params'] / 1e6:.1f}M, per-rank batch {report['batch']} x {report['context']}, "
+                f"link {report['link']}, {report['seconds']} s\n" + fsdp_bench.table(report))
     elif args.command == "rehearse":
         report = {"command": " ".join(["python", "benchmarks/multinode.py"] + sys.argv[1:]), "machine": machine(),
                   "core": core_version(), "runs": []}
