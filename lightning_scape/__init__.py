@@ -17,7 +17,7 @@ standalone ``pytorch_lightning`` / ``lightning_fabric`` packages (classes in
 import importlib.util
 
 from lightning_scape import fsdp
-from lightning_scape.fsdp import ScapeModelParallelStrategy
+from lightning_scape.fsdp import ScapeFabricModelParallelStrategy, ScapeModelParallelStrategy
 from lightning_scape.strategy import ScapeFabricStrategy, ScapeStrategy, register
 from scape_core.convert import to_scape_adams
 
@@ -28,4 +28,5 @@ if importlib.util.find_spec("pytorch_lightning") and importlib.util.find_spec("l
 
     standalone.register()
 
-__all__ = ["ScapeStrategy", "ScapeFabricStrategy", "ScapeModelParallelStrategy", "to_scape_adams"]
+__all__ = ["ScapeStrategy", "ScapeFabricStrategy", "ScapeModelParallelStrategy",
+           "ScapeFabricModelParallelStrategy", "to_scape_adams"]

@@ -1,4 +1,4 @@
-"""SCAPE with FSDP2 for ``lightning.Trainer``: shard inside a node, SCAPE across nodes ("custom HSDP").
+"""SCAPE with FSDP2 for ``lightning.Trainer`` and ``Fabric``: shard inside a node, SCAPE across nodes ("custom HSDP").
 
 Lightning's ``ModelParallelStrategy`` builds a ``("data_parallel", "tensor_parallel")`` mesh of
 shape ``(nodes, devices per node)`` and hands it to ``configure_model``. That shape is HSDP's, but
@@ -21,10 +21,13 @@ from typing import Any, Callable, Literal
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.strategies import ModelParallelStrategy as FabricModelParallelStrategy
 from lightning.fabric.strategies.model_parallel import _is_sharded_checkpoint
 from lightning.fabric.utilities.load import _METADATA_FILENAME
+from lightning.fabric.utilities.types import _Stateful
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
+from torch.nn import Module
 from torch.optim import Optimizer
 
 from lightning_scape.mixins import check_precision, progress_bar_text, scape_config
@@ -159,7 +162,115 @@ class ScapeModelParallelStrategy(ModelParallelStrategy):
         super().teardown()
 
 
+class ScapeFabricModelParallelStrategy(FabricModelParallelStrategy):
+    """FSDP2 inside each node and SCAPE across nodes, for ``lightning.Fabric``.
+
+    As :class:`ScapeModelParallelStrategy`, with Fabric's ``parallelize_fn(module, device_mesh)``
+    (the mesh is ``("replicate", "shard")``; shard on ``device_mesh["shard"]``). Set up the module
+    first, then build the optimizer on its sharded parameters and set it up (converted in place
+    to :class:`~scape_core.fsdp.ScapeFSDPAdamS`). ``fabric.no_backward_sync`` accumulates;
+    ``fabric.save`` / ``fabric.load`` write and read a DCP folder with each rank's optimizer and
+    SCAPE state as its own entry (the rest of the state in ``meta.pt``), resuming bit-for-bit at
+    the same mesh. One model and one optimizer.
+
+    Example::
+
+        fabric = L.Fabric(num_nodes=2, devices=8, strategy=ScapeFabricModelParallelStrategy(shard, sparsity=0.99))
+        model = fabric.setup_module(model)
+        optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-4))
+        fabric.save("ckpt/step_1000", {"model": model, "optimizer": optimizer, "step": 1000})
+    """
+
+    def __init__(self, parallelize_fn: Callable[[Module, Any], Module], config: ScapeConfig | None = None, *,
+                 replicate_size: Literal["auto"] | int = "auto", shard_size: Literal["auto"] | int = "auto",
+                 process_group_backend: str | None = None, timeout: Any = default_pg_timeout, **kwargs: Any) -> None:
+        self.scape_config = scape_config(config, kwargs)
+        if kwargs:
+            raise TypeError(f"{type(self).__name__} got unknown argument(s) {sorted(kwargs)}: expected ScapeConfig "
+                            "fields, replicate_size, shard_size, process_group_backend or timeout")
+        if self.scape_config.shard_optimizer:
+            raise ValueError("shard_optimizer=True is not supported with FSDP2: its optimizer state is the local "
+                             "shards already (sharded inside the node)")
+        super().__init__(parallelize_fn, data_parallel_size=replicate_size, tensor_parallel_size=shard_size,
+                         process_group_backend=process_group_backend, timeout=timeout)
+        self.scape_state: ScapeFSDPState | None = None
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        from torch.distributed.device_mesh import init_device_mesh
+        self._device_mesh = init_device_mesh(self.root_device.type, tuple(self.device_mesh.shape),
+                                             mesh_dim_names=MESH_DIMS)
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.world_size, "rank": self.global_rank}
+
+    def setup_module(self, module: Module) -> Module:
+        check_precision(self.precision)
+        if self.scape_state is not None:
+            raise RuntimeError(f"{type(self).__name__} trains one model per Fabric")
+        module = super().setup_module(module)  # parallelize_fn on the (replicate, shard) mesh
+        self.scape_state = ScapeFSDPState(module, self.device_mesh.get_group(MESH_DIMS[0]), config=self.scape_config)
+        return module
+
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        if self.scape_state is None:
+            raise RuntimeError("set up the module first (fabric.setup_module), then build the optimizer on its "
+                               "sharded parameters and set it up (fabric.setup_optimizers)")
+        return to_scape_adams(super().setup_optimizer(optimizer), self.scape_state)
+
+    def _split(self, state: dict[str, Any]) -> tuple[str, Module, str | None, Optimizer | None]:
+        modules = [(k, v) for k, v in state.items() if isinstance(v, Module)]
+        optimizers = [(k, v) for k, v in state.items() if isinstance(v, Optimizer)]
+        if len(modules) != 1 or len(optimizers) > 1:
+            raise ValueError(f"{type(self).__name__} saves and loads one model and at most one optimizer, got "
+                             f"{len(modules)} and {len(optimizers)}")
+        (model_key, model), (optimizer_key, optimizer) = modules[0], (optimizers or [(None, None)])[0]
+        return model_key, model, optimizer_key, optimizer
+
+    def save_checkpoint(self, path: Any, state: dict[str, Any], storage_options: Any = None,
+                        filter: Any = None) -> None:
+        import torch.distributed.checkpoint as dcp
+        if storage_options is not None or filter is not None:
+            raise TypeError(f"{type(self).__name__}.save_checkpoint supports neither storage_options nor filter")
+        path = Path(self.broadcast(path))
+        model_key, model, optimizer_key, optimizer = self._split(state)
+        entries = {model_key: model.state_dict()}
+        if optimizer is not None:
+            entries[optimizer_key] = fsdp_rank_state(optimizer)
+        metadata = {k: (v.state_dict() if isinstance(v, _Stateful) else v) for k, v in state.items()
+                    if k not in (model_key, optimizer_key)}
+        path.mkdir(parents=True, exist_ok=True)
+        dcp.save(entries, checkpoint_id=path)
+        if self.global_rank == 0:
+            torch.save(metadata, path / _METADATA_FILENAME)
+
+    def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        if not isinstance(state, dict):
+            raise ValueError(f"{type(self).__name__}.load_checkpoint needs state={{'model': model, ...}}")
+        path = Path(self.broadcast(path))
+        model_key, model, optimizer_key, optimizer = self._split(state)
+        load_fsdp_checkpoint(path, model, optimizer, model_key=model_key, optimizer_key=optimizer_key)
+        metadata = torch.load(path / _METADATA_FILENAME, weights_only=weights_only)
+        for key in [k for k in state if k not in (model_key, optimizer_key)]:
+            if key not in metadata:
+                if strict:
+                    raise KeyError(f"{path} has no {key!r} entry")
+                continue
+            if isinstance(state[key], _Stateful):
+                state[key].load_state_dict(metadata.pop(key))
+            else:
+                state[key] = metadata.pop(key)
+        return metadata
+
+    def teardown(self) -> None:
+        if self.scape_state is not None:
+            self.scape_state.wait()
+        super().teardown()
+
+
 def register() -> None:
-    """Register ``"scape_fsdp"`` with the Trainer's registry."""
+    """Register ``"scape_fsdp"`` with the Trainer's registry (Fabric's strategy needs its ``parallelize_fn``)."""
     StrategyRegistry.register("scape_fsdp", ScapeModelParallelStrategy, override=True,
                               description="SCAPE across nodes, FSDP2 inside each node")

@@ -17,7 +17,7 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 import lightning_scape
-from lightning_scape import ScapeModelParallelStrategy
+from lightning_scape import ScapeFabricModelParallelStrategy, ScapeModelParallelStrategy
 from scape_core.fsdp import scape_fsdp
 from tests.dist import failure, run_distributed
 from tests.test_resume import TinyTransformer
@@ -215,7 +215,69 @@ def test_registration_and_arguments():
 
 
 # ----------------------------------------------------------------------------------------
-PARTS = {"train": _train_part, "resume": _resume_part, "accumulate": _accumulate_part, "misuse": _misuse_part}
+def _shard(model: nn.Module, mesh) -> nn.Module:
+    from torch.distributed.fsdp import fully_shard
+    for layer in model.body.layers:
+        fully_shard(layer, mesh=mesh["shard"])
+    return fully_shard(model, mesh=mesh["shard"])
+
+
+def _fabric_part(rank, tmp):
+    """Fabric: 12 steps by hand-picked batches, saved at 6 and resumed; against scape_fsdp by hand."""
+    def batch(step):
+        return TOKENS[torch.arange(4) * 4 + rank + 16 * (step % EPOCH)]
+
+    def run(start, stop, save=None, load=None):
+        fabric = L.Fabric(accelerator="cpu", devices=2, num_nodes=2,
+                          strategy=ScapeFabricModelParallelStrategy(_shard, sparsity=0.99, **SCHEDULE))
+        fabric.launch()
+        model = fabric.setup_module(TinyTransformer())
+        opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD,
+                                                        betas=(0.9, 0.95)))
+        state = {"model": model, "optimizer": opt, "step": 0}
+        if load:
+            fabric.load(load, state)
+        for step in range(start, stop):
+            with fabric.no_backward_sync(model, enabled=False):
+                fabric.backward(_loss(model, batch(step)))
+            opt.step()
+            opt.zero_grad()
+            if save and step + 1 == EPOCH:
+                fabric.save(save, {**state, "step": step + 1})
+        s = fabric.strategy.scape_state
+        return dict(param=_local(model).clone(), residual=s.residual_buffer.clone(), step=s.step,
+                    optimizer=type(opt.optimizer).__name__, loaded_step=state["step"], stats=s.stats())
+
+    path = str(Path(tmp) / "fabric_ckpt")
+    whole = run(0, STEPS, save=path)
+    resumed = run(EPOCH, STEPS, load=path)
+    mesh = _mesh_of_fabric()
+    net = TinyTransformer()
+    net, own = scape_fsdp(net, mesh, sparsity=0.99, lr=LR, weight_decay=WD, shard_modules=net.body.layers, **SCHEDULE)
+    for step in range(STEPS):
+        _loss(net, batch(step)).backward()
+        own.step()
+        own.zero_grad()
+    return dict(whole=whole, resumed=resumed, by_hand=_local(net).clone())
+
+
+def _mesh_of_fabric():
+    from torch.distributed.device_mesh import init_device_mesh
+    return init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+
+
+def test_fabric_trains_as_scape_fsdp_by_hand_and_resumes_bit_for_bit(ranks):
+    for r in part(ranks, "fabric"):
+        whole, resumed = r["whole"], r["resumed"]
+        assert whole["optimizer"] == "ScapeFSDPAdamS" and whole["step"] == resumed["step"] == STEPS
+        assert resumed["loaded_step"] == EPOCH and whole["stats"]["compression"] > 2
+        assert torch.equal(whole["param"], r["by_hand"])
+        assert torch.equal(whole["param"], resumed["param"]) and torch.equal(whole["residual"], resumed["residual"])
+
+
+# ----------------------------------------------------------------------------------------
+PARTS = {"train": _train_part, "resume": _resume_part, "accumulate": _accumulate_part, "misuse": _misuse_part,
+         "fabric": _fabric_part}
 
 
 def _all_parts(rank, world, tmp):
