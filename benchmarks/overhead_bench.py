@@ -103,7 +103,7 @@ def instrument() -> None:
     TIMER.wrap(selection, "all_gather_into_tensor", "gather_launch")  # inside choose (scores read per rank)
 
 
-def build(name: str, base: torch.nn.Module, warmup: int, mask_refresh: int) -> tuple[Any, Any]:
+def build(name: str, base: torch.nn.Module, warmup: int, mask_refresh: int, kernels: str = "eager") -> tuple[Any, Any]:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -113,8 +113,8 @@ def build(name: str, base: torch.nn.Module, warmup: int, mask_refresh: int) -> t
     ddp = DDP(copy.deepcopy(base))
     if name == "DDP + AdamS":
         ddp.register_comm_hook(None, default_hooks.allreduce_hook)
-        return ddp, AdamS(ddp.parameters(), **hp)
-    fields = scape_fields(warmup)
+        return ddp, AdamS(ddp.parameters(), kernels=kernels, **hp)
+    fields = {**scape_fields(warmup), "kernels": kernels}
     if name.endswith(" fp32"):  # the native wire (the default at 99% is int4 where the core has wires)
         fields["wire"] = "native"
     state = ScapeState(ddp, sparsity=float(name.split()[1].rstrip("%")) / 100, mask_refresh=mask_refresh, **fields)
@@ -153,7 +153,7 @@ def derive(p: dict[str, float]) -> dict[str, float]:
 def worker(args: argparse.Namespace) -> None:
     rank, _, data, base = start_rank(args.params, args.context, args.layers)
     names = ["DDP + AdamS", "SCAPE 90%", "SCAPE 99%", "SCAPE 99% fp32"]
-    runs = {n: build(n, base, args.scape_warmup, args.mask_refresh) for n in names}
+    runs = {n: build(n, base, args.scape_warmup, args.mask_refresh, args.kernels) for n in names}
     data_of = {n: batches(data, args.batch, args.context, seed=1000 * rank) for n in names}
     instrument()
     for n in names:
@@ -229,6 +229,8 @@ def main() -> None:
     p.add_argument("--warm", type=int, default=4)
     p.add_argument("--scape-warmup", type=int, default=2)
     p.add_argument("--mask-refresh", type=int, default=1, help="ScapeConfig.mask_refresh (steps per new mask)")
+    p.add_argument("--kernels", default="eager", choices=("eager", "compiled"),
+                   help="ScapeConfig.kernels (and AdamS's) for every method; the warm steps include the compiles")
     p.add_argument("--profile", action="store_true", help="also profile two SCAPE 99%% steps (torch.profiler)")
     p.add_argument("--timeout", type=float, default=420)
     p.add_argument("--json", default=str(ROOT / "docs" / "overhead_bench.json"))

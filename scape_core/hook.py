@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from scape_core import inflight, wire
+from scape_core import inflight
 from scape_core.buckets import BucketPlan, Exchange, StepRecord
 from scape_core.compat import all_gather_into_tensor
 from scape_core.layout import gather_spans, scatter_spans
@@ -37,35 +37,54 @@ def stage(state: ScapeState, bucket: BucketPlan, mask: Mask, buffer: Tensor) -> 
     return exchange
 
 
-def finish_bucket(state: ScapeState, exchange: Exchange, reduced: Tensor, kept: Tensor | None) -> None:
+def finish_bucket(state: ScapeState, exchange: Exchange, reduced: Tensor, kept: Tensor | None, ok: Tensor,
+                  summed: bool = False) -> None:
     """After the exchange: the residual keeps the rest, the bucket holds the mean on the mask (zeros elsewhere).
 
     ``reduced`` and ``kept`` (this rank's rounding of what it sent, or None) are the bucket's
-    entries. Decided on the device: if the bucket's exchange was not finite on any rank, this
+    entries; ``ok``: whether they are finite on every rank. Decided on the device: if not, this
     step's gradient is dropped from the residual (which stays as before the step) and the
-    bucket holds zeros.
+    bucket holds zeros. ``summed``: the compiled residual pass already added the bucket's
+    gradient to the residual and zeroed it (:func:`finish_step`).
     """
     buffer, entries, bucket = exchange.buffer, exchange.entries, exchange.bucket
-    ok = torch.isfinite(reduced).all()
     state.record.finite.append(ok)  # list appends are safe from gloo's thread
     if state.residual_buffer is not None:
-        buffer.masked_fill_(~(ok & exchange.finite), 0.0)  # a dropped step adds nothing
-        torch._foreach_add_(bucket.residuals(state.layout, state.residual_buffer), bucket.grads)  # e_r += g_r
+        if not summed:
+            buffer.masked_fill_(~(ok & exchange.finite), 0.0)  # a dropped step adds nothing
+            torch._foreach_add_(bucket.residuals(state.layout, state.residual_buffer), bucket.grads)  # e_r += g_r
         flat = state.residual_buffer.view(-1)
         flat.index_copy_(0, entries, torch.where(ok, 0.0 if kept is None else kept, flat.index_select(0, entries)))
     mean = torch.where(ok, reduced, 0.0)
-    buffer.zero_()
+    if not summed:
+        buffer.zero_()
     buffer.index_copy_(0, exchange.positions, mean.to(buffer.dtype))
     scatter_spans(state.record.values, exchange.spans, mean)
 
 
 def finish_step(state: ScapeState, record: StepRecord, reduced: Tensor, kept: Tensor | None) -> None:
     """Every bucket's share of the step's exchanged means (``reduced``, one per mask entry); then
-    DDP's futures complete (their failure, if anything here raised)."""
+    DDP's futures complete (their failure, if anything here raised).
+
+    With ``kernels="compiled"`` the residual takes every bucket's gradient in one fused pass
+    (read gradient and residual, write residual, zero the gradient) before the mask's entries
+    are written; eager, each bucket does it with a masked fill, an add and a fill.
+    """
     try:
-        for x in record.exchanges:
-            kept_here = None if kept is None else gather_spans(kept, x.spans)
-            finish_bucket(state, x, gather_spans(reduced, x.spans), kept_here)
+        parts = [(x, gather_spans(reduced, x.spans), None if kept is None else gather_spans(kept, x.spans))
+                 for x in record.exchanges]
+        verdicts = [torch.isfinite(r).all() for _, r, _ in parts]
+        summed = state.kernels.compiled and state.residual_buffer is not None
+        if summed:
+            residuals, grads, keep = [], [], []
+            for (x, _, _), ok in zip(parts, verdicts):
+                views = x.bucket.residuals(state.layout, state.residual_buffer)
+                residuals += views
+                grads += x.bucket.grads
+                keep += [ok & x.finite] * len(views)
+            state.kernels.residual(residuals, grads, keep)
+        for (x, r, k), ok in zip(parts, verdicts):
+            finish_bucket(state, x, r, k, ok, summed)
     except BaseException as e:
         for x in record.exchanges:
             x.future.set_exception(e)
@@ -142,20 +161,17 @@ def exchange_encoded(state: ScapeState, record: StepRecord) -> None:
     differently.
     """
     plan = state.buckets.wire_plan(record.send.numel())
-    group = state.process_group
-    segments = wire.pad(plan, record.send)  # (W, segment): one per owner
-    send = wire.encode(plan, segments)
-    kept = segments.sub_(wire.decode(plan, send)).view(-1)[:plan.entries]  # this rank's rounding stays here
+    group, kernels = state.process_group, state.kernels
+    send, kept = kernels.wire_send(plan, record.send)  # this rank's rounding stays in kept
     state.count(plan.entries, plan.nbytes, 0)  # as one all-reduce of the encoded buffer (see scape_core.wire)
     received = torch.empty_like(send)
     inflight.hold(dist.all_to_all_single(received, send, group=group, async_op=True)).wait()
-    mean = wire.owner_mean(plan, received)  # this rank's segment
-    own = wire.encode(plan, mean)
+    own, rounded = kernels.wire_own(plan, received)  # this rank's segment's mean, encoded
     lo = state.rank * plan.segment  # the owner keeps W times its encoding's rounding: the mean residual holds it
     hi = min(lo + plan.segment, plan.entries)
     if hi > lo:
-        kept[lo:hi] += mean.sub_(wire.decode(plan, own))[:hi - lo].mul_(plan.world)
+        kept[lo:hi] += rounded[:hi - lo]
     gathered = send.new_empty(send.numel())  # flat: gloo's all-gather wants it so
     work = inflight.hold(all_gather_into_tensor(gathered, own, group=group, async_op=True))
     work.get_future().then(lambda f: finish_step(
-        state, record, wire.decode(plan, gathered.view(send.shape)).view(-1)[:plan.entries], kept))
+        state, record, kernels.wire_decode(plan, gathered.view(send.shape)), kept))
