@@ -176,8 +176,11 @@ def worker(args: argparse.Namespace) -> None:
         table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, dict(rows))
+    compiles = {n: (opt.scape.kernels if hasattr(opt, "scape") else opt.kernels).compile_seconds
+                for n, (_, opt) in runs.items()}  # the first calls of each compiled pass (in the warm steps)
     if rank == 0:
-        out = {"params": count_params(base), "per_rank": gathered, "profile": table}
+        out = {"params": count_params(base), "per_rank": gathered, "profile": table, "kernels": args.kernels,
+               "compile_seconds": compiles}
         Path(args.result).write_text(json.dumps(out))
     dist.destroy_process_group()
 
@@ -215,6 +218,11 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> str:
                 lines.append(f"\n{n} ({clock}): hook + selection = {1000 * cost:.1f} ms ({stat} per step) = "
                              f"{pct:.1f}% of the median dense step ({1000 * dense:.0f} ms) -> target <= 10%: "
                              f"{'MET' if pct <= 10 else 'NOT MET'}")
+    if res.get("compile_seconds"):
+        firsts = [f"{n}: " + ", ".join(f"{k} {v:.1f}" for k, v in c.items()) + f" (total {sum(c.values()):.1f})"
+                  for n, c in res["compile_seconds"].items() if c]
+        lines.append(f"\nkernels={res.get('kernels', 'eager')}; first calls of the compiled passes (rank 0, s): "
+                     + "; ".join(firsts))
     return "\n".join(lines)
 
 

@@ -298,12 +298,36 @@ def _gather_traffic(args: tuple, kwargs: dict, out: Any) -> tuple[int, int]:
     return nbytes(entries) + picked, nbytes(out)
 
 
-COMPILED_TRAFFIC = {"score": _score_traffic, "gather": _gather_traffic}  # the rest: their boundary
+def _masked_update_traffic(args: tuple, kwargs: dict, out: Any) -> tuple[int, int]:
+    _, momentum, statistics, windows, local, s, applied, step, *_ = args  # the state's buffers at the entries only
+    touched = [b for b in (momentum, *statistics.values(), windows) if b is not None]
+    at = local.numel() * sum(b.element_size() for b in touched)
+    return nbytes([local, s, applied, step]) + at, at + nbytes(out)
+
+
+def _update_traffic(args: tuple, kwargs: dict, out: Any) -> tuple[int, int]:
+    params, entries, u, decay, scale, pieces = args  # every parameter decayed; the entries read and written again
+    picked = sum((hi - lo) * params[i].element_size() for i, lo, hi, _ in pieces)
+    small = nbytes([entries, u, *[d for d in decay if d is not None], *scale])
+    decayed = nbytes([p for p, d in zip(params, decay) if d is not None])
+    return small + decayed + picked, decayed + picked
+
+
+def _stage_traffic(args: tuple, kwargs: dict, out: Any) -> tuple[int, int]:
+    buffers, residual, entries, pieces = args  # every bucket read (its finiteness), the residual at the entries
+    at = entries.numel() * (residual.element_size() if residual is not None else 0)
+    return nbytes(buffers) + nbytes(entries) * 2 + at, nbytes(out)  # the index is read twice
+
+
+# the rest: their boundary (every tensor argument read, returned and mutated ones written)
+COMPILED_TRAFFIC = {"score": _score_traffic, "gather": _gather_traffic, "masked_update": _masked_update_traffic,
+                    "update": _update_traffic, "stage": _stage_traffic}
 
 
 def counted_kernels() -> None:
     """SCAPE's compiled passes (``ScapeConfig(kernels="compiled")``) counted by :func:`count_compiled`
-    (by their boundary, but the score's destination only written and the gather's indexed reads only)."""
+    (by their boundary, but where a pass only writes an argument or only indexes it, by what it touches:
+    :data:`COMPILED_TRAFFIC`)."""
     from scape_core import kernels
 
     if not getattr(kernels.compile_kernel, "counted", False):

@@ -37,60 +37,60 @@ def stage(state: ScapeState, bucket: BucketPlan, mask: Mask, buffer: Tensor) -> 
     return exchange
 
 
-def finish_bucket(state: ScapeState, exchange: Exchange, reduced: Tensor, kept: Tensor | None, ok: Tensor,
-                  summed: bool = False) -> None:
+def finish_bucket(state: ScapeState, exchange: Exchange, reduced: Tensor, kept: Tensor | None) -> None:
     """After the exchange: the residual keeps the rest, the bucket holds the mean on the mask (zeros elsewhere).
 
     ``reduced`` and ``kept`` (this rank's rounding of what it sent, or None) are the bucket's
-    entries; ``ok``: whether they are finite on every rank. Decided on the device: if not, this
+    entries. Decided on the device: if the bucket's exchange was not finite on any rank, this
     step's gradient is dropped from the residual (which stays as before the step) and the
-    bucket holds zeros. ``summed``: the compiled residual pass already added the bucket's
-    gradient to the residual and zeroed it (:func:`finish_step`).
+    bucket holds zeros.
     """
     buffer, entries, bucket = exchange.buffer, exchange.entries, exchange.bucket
+    ok = torch.isfinite(reduced).all()
     state.record.finite.append(ok)  # list appends are safe from gloo's thread
     if state.residual_buffer is not None:
-        if not summed:
-            buffer.masked_fill_(~(ok & exchange.finite), 0.0)  # a dropped step adds nothing
-            torch._foreach_add_(bucket.residuals(state.layout, state.residual_buffer), bucket.grads)  # e_r += g_r
+        buffer.masked_fill_(~(ok & exchange.finite), 0.0)  # a dropped step adds nothing
+        torch._foreach_add_(bucket.residuals(state.layout, state.residual_buffer), bucket.grads)  # e_r += g_r
         flat = state.residual_buffer.view(-1)
         flat.index_copy_(0, entries, torch.where(ok, 0.0 if kept is None else kept, flat.index_select(0, entries)))
     mean = torch.where(ok, reduced, 0.0)
-    if not summed:
-        buffer.zero_()
+    buffer.zero_()
     buffer.index_copy_(0, exchange.positions, mean.to(buffer.dtype))
     scatter_spans(state.record.values, exchange.spans, mean)
 
 
 def finish_step(state: ScapeState, record: StepRecord, reduced: Tensor, kept: Tensor | None) -> None:
     """Every bucket's share of the step's exchanged means (``reduced``, one per mask entry); then
-    DDP's futures complete (their failure, if anything here raised).
-
-    With ``kernels="compiled"`` the residual takes every bucket's gradient in one fused pass
-    (read gradient and residual, write residual, zero the gradient) before the mask's entries
-    are written; eager, each bucket does it with a masked fill, an add and a fill.
-    """
+    DDP's futures complete (their failure, if anything here raised). Compiled kernels: every
+    bucket in one pass (:func:`scape_core.kernels.finish_pass`)."""
     try:
-        parts = [(x, gather_spans(reduced, x.spans), None if kept is None else gather_spans(kept, x.spans))
-                 for x in record.exchanges]
-        verdicts = [torch.isfinite(r).all() for _, r, _ in parts]
-        summed = state.kernels.compiled and state.residual_buffer is not None
-        if summed:
-            residuals, grads, keep = [], [], []
-            for (x, _, _), ok in zip(parts, verdicts):
-                views = x.bucket.residuals(state.layout, state.residual_buffer)
-                residuals += views
-                grads += x.bucket.grads
-                keep += [ok & x.finite] * len(views)
-            state.kernels.residual(residuals, grads, keep)
-        for (x, r, k), ok in zip(parts, verdicts):
-            finish_bucket(state, x, r, k, ok, summed)
+        if state.kernels.compiled:
+            staging = record.staging
+            ok, record.values = state.kernels.finish(
+                [x.buffer for x in record.exchanges], state.residual_buffer, record.entries, reduced, kept,
+                torch.stack([x.finite for x in record.exchanges]), staging.pieces, staging.params)
+            record.finite.extend(ok.unbind())
+        else:
+            for x in record.exchanges:
+                kept_here = None if kept is None else gather_spans(kept, x.spans)
+                finish_bucket(state, x, gather_spans(reduced, x.spans), kept_here)
     except BaseException as e:
         for x in record.exchanges:
             x.future.set_exception(e)
         raise
     for x in record.exchanges:
         x.future.set_result(x.buffer)
+
+
+def stage_step(state: ScapeState, record: StepRecord, mask: Mask) -> None:
+    """Compiled kernels: the step's compact buffer from every bucket at once, once the last is in
+    (:func:`scape_core.kernels.stage_pass`); each bucket's own verdict is kept for the finish."""
+    shape = state.layout.mask_shape(mask.density)
+    record.staging = state.buckets.staging(tuple(x.bucket for x in record.exchanges), shape)
+    record.send, finite = state.kernels.stage([x.buffer for x in record.exchanges], state.residual_buffer,
+                                              record.entries, record.staging.pieces)
+    for x, verdict in zip(record.exchanges, finite.unbind()):
+        x.finite = verdict
 
 
 def finish_dense(state: ScapeState, buffer: Tensor) -> Tensor:
@@ -132,7 +132,14 @@ def scape_hook(state: ScapeState, bucket: dist.GradBucket) -> torch.futures.Futu
         return work.get_future().then(lambda f: finish_dense(state, f.value()[0]))
     if not state.sparse_started:
         state.start_sparse()
-    exchange = stage(state, plan, mask, buffer)
+    if state.kernels.compiled:  # staged all at once at the last bucket
+        exchange = Exchange(plan, buffer, None, None, state.layout.mask_shape(mask.density).ranges(plan.names), None)
+        state.record.exchanges.append(exchange)
+        state.record.entries = mask.flat(state.layout)
+        if bucket.is_last():
+            stage_step(state, state.record, mask)
+    else:
+        exchange = stage(state, plan, mask, buffer)
     state.count(0, 0, dense_bytes)
     if bucket.is_last():  # the step's compact buffer is complete: exchange it
         (exchange_encoded if state.config.resolved_wire != "native" else exchange_native)(state, state.record)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import time
+import types
 from typing import Any, Callable, Sequence
 
 import torch
@@ -37,8 +38,14 @@ Piece = tuple[int, int, int, int]  # (tensor index, first entry, end entry, flat
 
 
 def compile_kernel(fn: Callable, name: str) -> Callable:
-    """``torch.compile`` of one pass (the one place SCAPE compiles; benchmarks wrap it to count it)."""
-    compiled = torch.compile(fn, fullgraph=True, dynamic=False)
+    """``torch.compile`` of one pass (the one place SCAPE compiles; benchmarks wrap it to count it).
+
+    Each call compiles a fresh copy of ``fn``'s code: dynamo keeps its compiled graphs per code
+    object, at most 8 (``recompile_limit``; past it ``fullgraph=True`` fails), so every state,
+    density and bucket structure gets its own copy rather than sharing one across a process.
+    """
+    fresh = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    compiled = torch.compile(fresh, fullgraph=True, dynamic=False)
     state = {"ready": False}
 
     @functools.wraps(fn)
@@ -76,11 +83,43 @@ def age_momentum_pass(m: Tensor, synced_at: Tensor, before: Tensor, out: Tensor)
     return out.copy_(((synced_at - before) * m).abs())
 
 
-def residual_pass(residuals: list[Tensor], grads: list[Tensor], keep: list[Tensor]) -> None:
-    """``e += g`` where ``keep`` (0-dim bool per tensor: its bucket's step went through), then ``g = 0``."""
-    for e, g, k in zip(residuals, grads, keep):
-        e.add_(torch.where(k, g.float(), 0.0))
-        g.zero_()
+def stage_pass(buffers: list[Tensor], residual: Tensor | None, entries: Tensor,
+               pieces: Sequence[Piece]) -> tuple[Tensor, Tensor]:
+    """A sparse step's compact buffer from every bucket at once: ``g + e`` at the mask's entries (fp32,
+    in entry order), NaN where this rank's bucket is not finite; returns it and the buckets' verdicts.
+    ``pieces``: :attr:`scape_core.buckets.Staging.pieces`."""
+    finite = torch.stack([torch.isfinite(b).all() for b in buffers])
+    picked = torch.cat([buffers[j].index_select(0, entries[lo:hi] - shift).float() for j, lo, hi, shift in pieces])
+    if residual is not None:
+        picked = picked + residual.view(-1).index_select(0, entries)
+    clean = torch.cat([finite[j].expand(hi - lo) for j, lo, hi, _ in pieces])
+    return picked.masked_fill(~clean, float("nan")), finite
+
+
+def finish_pass(buffers: list[Tensor], residual: Tensor | None, entries: Tensor, reduced: Tensor,
+                kept: Tensor | None, finite: Tensor, pieces: Sequence[Piece],
+                params: Sequence[tuple[int, int, int, int]]) -> tuple[Tensor, Tensor]:
+    """After the exchange, every bucket at once: a bucket whose ``reduced`` entries are all finite (on
+    every rank) and whose gradients were finite here adds its gradient to the residual, which keeps
+    ``kept`` (or 0) at the entries; every bucket then holds the mean on the mask, zeros elsewhere.
+    Returns each bucket's verdict and the means (fp32; 0 in a dropped bucket). As
+    :func:`scape_core.hook.finish_bucket`."""
+    by_bucket: list[list[Tensor]] = [[] for _ in buffers]
+    for j, lo, hi, _ in pieces:
+        by_bucket[j].append(torch.isfinite(reduced[lo:hi]).all())
+    ok = torch.stack([torch.stack(v).all() for v in by_bucket])
+    good = torch.cat([ok[j].expand(hi - lo) for j, lo, hi, _ in pieces])
+    if residual is not None:
+        flat, keep = residual.view(-1), ok & finite
+        for j, offset, numel, start in params:  # e_r += g_r where the bucket went through
+            flat[start:start + numel].add_(torch.where(keep[j], buffers[j][offset:offset + numel].float(), 0.0))
+        flat.index_copy_(0, entries, torch.where(good, 0.0 if kept is None else kept, flat.index_select(0, entries)))
+    mean = torch.where(good, reduced, 0.0)
+    for b in buffers:
+        b.zero_()
+    for j, lo, hi, shift in pieces:
+        buffers[j].index_copy_(0, entries[lo:hi] - shift, mean[lo:hi].to(buffers[j].dtype))
+    return ok, mean.float()
 
 
 def gather_pass(grads: list[Tensor], entries: Tensor, pieces: Sequence[Piece]) -> Tensor:
@@ -167,18 +206,25 @@ class Kernels:
     @property
     def built(self) -> tuple[str, ...]:
         """The compiled passes that ran so far (each compiled at its first call), in that order."""
-        return tuple(self._fns) if self.compiled else ()
+        return tuple(dict.fromkeys(slot.split(":")[0] for slot in self._fns)) if self.compiled else ()
 
     @property
     def compile_seconds(self) -> dict[str, float]:
-        """Seconds each compiled pass's first call took (its compile, or its load from inductor's cache)."""
-        return {n: f.first_call_seconds for n, f in self._fns.items()
-                if getattr(f, "first_call_seconds", None) is not None}
+        """Seconds the first calls of each compiled pass took (its compiles, or loads from inductor's
+        cache; summed over its copies: one per density, bucket structure or wire plan)."""
+        out: dict[str, float] = {}
+        for slot, f in self._fns.items():
+            if getattr(f, "first_call_seconds", None) is not None:
+                name = slot.split(":")[0]
+                out[name] = out.get(name, 0.0) + f.first_call_seconds
+        return out
 
-    def _fn(self, name: str, fn: Callable) -> Callable:
-        if name not in self._fns:
-            self._fns[name] = compile_kernel(fn, name) if self.compiled else fn
-        return self._fns[name]
+    def _fn(self, name: str, fn: Callable, key: Any = None) -> Callable:
+        """The pass ``name`` (one compiled copy per ``key``: what its baked-in constants depend on)."""
+        slot = name if key is None else f"{name}:{key}"
+        if slot not in self._fns:
+            self._fns[slot] = compile_kernel(fn, name) if self.compiled else fn
+        return self._fns[slot]
 
     def scalar(self, key: str, value: float, device: torch.device, dtype: torch.dtype = torch.float64) -> Tensor:
         """A 0-dim tensor holding ``value`` (one per key, refilled): a compiled pass reads it, not a constant."""
@@ -188,7 +234,7 @@ class Kernels:
         return slot.fill_(value)
 
     # compiled only: their eager forms are the callers' own code (AdamS's foreach step, the
-    # selector's score, the hook's per-bucket residual pass, the optimizer's bucket writes)
+    # selector's score, the hook's per-bucket staging and finish, the optimizer's bucket writes)
     def adams(self, params: list[Tensor], grads: list[Tensor], momenta: list[Tensor], *, lr: float, beta1: float,
               beta2: float, eps: float, weight_decay: float) -> None:
         """One AdamS step, one fused loop per tensor (eager: :func:`scape_core.adams.adams_foreach`)."""
@@ -202,35 +248,43 @@ class Kernels:
         before = self.scalar("before", target - 1, torch.device("cpu"), torch.float32)
         return self._fn("score", age_momentum_pass)(m, synced_at, before, out)
 
-    def residual(self, residuals: list[Tensor], grads: list[Tensor], keep: list[Tensor]) -> None:
-        """``e += g`` where kept, then the gradients zeroed: one loop per tensor (compiled only)."""
-        return self._fn("residual", residual_pass)(residuals, grads, keep)
+    def stage(self, buffers: list[Tensor], residual: Tensor | None, entries: Tensor,
+              pieces: Sequence[Piece]) -> tuple[Tensor, Tensor]:
+        """:func:`stage_pass`: the step's compact buffer and each bucket's verdict (compiled only)."""
+        return self._fn("stage", stage_pass, hash(pieces))(buffers, residual, entries, pieces)
+
+    def finish(self, buffers: list[Tensor], residual: Tensor | None, entries: Tensor, reduced: Tensor,
+               kept: Tensor | None, finite: Tensor, pieces: Sequence[Piece],
+               params: Sequence[tuple[int, int, int, int]]) -> tuple[Tensor, Tensor]:
+        """:func:`finish_pass` (compiled only)."""
+        return self._fn("finish", finish_pass, hash(pieces))(buffers, residual, entries, reduced, kept, finite, pieces,
+                                                             params)
 
     def gather(self, grads: list[Tensor], entries: Tensor, pieces: Sequence[Piece]) -> Tensor:
         """The gradients at the mask's entries, read in place (compiled only)."""
-        return self._fn("gather", gather_pass)(grads, entries, pieces)
+        return self._fn("gather", gather_pass, hash(pieces))(grads, entries, pieces)
 
     def update(self, params: list[Tensor], entries: Tensor, u: Tensor, decay: list[Tensor | None],
                scale: list[Tensor], pieces: Sequence[Piece]) -> None:
         """Decay every coordinate and add ``scale * u`` at the entries (compiled only)."""
-        return self._fn("update", update_pass)(params, entries, u, decay, scale, pieces)
+        return self._fn("update", update_pass, hash(pieces))(params, entries, u, decay, scale, pieces)
 
     # both modes: the eager form is the same function, run as torch operators
     def masked_update(self, rule: Any, momentum: Tensor, statistics: dict[str, Tensor], windows: Tensor | None,
                       local: Tensor, s: Tensor, applied: Tensor, step: int, **hp: float) -> Tensor:
         """:func:`masked_update_pass` (``step``: the one being applied)."""
         at = self.scalar("step", step, local.device, torch.float32)  # windows are fp32
-        return self._fn("masked_update", masked_update_pass)(rule, momentum, statistics, windows, local, s,
-                                                             applied, at, hp["beta1"], hp["beta2"], hp["eps"])
+        run = self._fn("masked_update", masked_update_pass, (local.numel(), applied.dim()))
+        return run(rule, momentum, statistics, windows, local, s, applied, at, hp["beta1"], hp["beta2"], hp["eps"])
 
     def wire_send(self, plan: WirePlan, values: Tensor) -> tuple[Tensor, Tensor]:
         """:func:`wire_send_pass`."""
-        return self._fn("wire", wire_send_pass)(plan, values)
+        return self._fn("wire", wire_send_pass, plan)(plan, values)
 
     def wire_own(self, plan: WirePlan, received: Tensor) -> tuple[Tensor, Tensor]:
         """:func:`wire_own_pass`."""
-        return self._fn("wire_own", wire_own_pass)(plan, received)
+        return self._fn("wire_own", wire_own_pass, plan)(plan, received)
 
     def wire_decode(self, plan: WirePlan, gathered: Tensor) -> Tensor:
         """:func:`wire_decode_pass`."""
-        return self._fn("wire_decode", wire_decode_pass)(plan, gathered)
+        return self._fn("wire_decode", wire_decode_pass, plan)(plan, gathered)

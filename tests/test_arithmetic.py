@@ -115,8 +115,9 @@ def runs() -> list[dict]:
 
 def test_compiled_cases_ran_the_compiled_passes(runs):
     for case in COMPILED:
-        want = {"dense": {"AdamS"}, "int4": {"AdamS", "score", "residual", "gather", "update", "wire"}}.get(
-            case.split("_")[0], {"AdamS", "score", "residual", "gather", "update"})
+        sparse = {"AdamS", "score", "stage", "finish", "gather", "masked_update", "update"}
+        wire = {"wire", "wire_own", "wire_decode"}
+        want = {"dense": {"AdamS"}, "int4": sparse | wire}.get(case.split("_")[0], sparse)
         for r in runs:
             assert want <= set(r[f"{case}_compiled"]["kernels"]), (case, r[f"{case}_compiled"]["kernels"])
             assert not r[case]["kernels"], case  # eager: none
