@@ -91,8 +91,9 @@ def instrument() -> None:
     import scape_core.state as state
     from scape_core import AdamS, ScapeAdamS
 
-    TIMER.wrap(hook, "compact", "compact")
-    TIMER.wrap(hook, "finish_sparse", "finish")
+    TIMER.wrap(hook, "stage", "compact")  # eager kernels: per bucket
+    TIMER.wrap(hook, "stage_step", "compact")  # compiled kernels: every bucket at once
+    TIMER.wrap(hook, "finish_step", "finish")
     TIMER.wrap(selection, "select", "topk")  # inside MaskSelector.choose
     TIMER.wrap(selection.MaskSelector, "choose", "select")
     TIMER.wrap(selection.MaskSelector, "finish_pending", "mask_wait")

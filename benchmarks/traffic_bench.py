@@ -319,9 +319,21 @@ def _stage_traffic(args: tuple, kwargs: dict, out: Any) -> tuple[int, int]:
     return nbytes(buffers) + nbytes(entries) * 2 + at, nbytes(out)  # the index is read twice
 
 
+def _sparse_step_traffic(args: tuple, kwargs: dict, out: Any) -> tuple[int, int]:
+    _, params, grads, momentum, statistics, windows, residual, values, entries, applied, step, decay, scale, \
+        pieces, *_ = args  # the gather, the rule, the update and the unapplied values, each at what it touches
+    gather = _gather_traffic((grads, entries, pieces), {}, torch.empty(0))[0]
+    touched = [b for b in (momentum, *statistics.values(), windows) if b is not None]
+    state = entries.numel() * sum(b.element_size() for b in touched)
+    update_read, update_written = _update_traffic((params, entries, torch.empty(0), decay, scale, pieces), {}, None)
+    unapplied = 0 if residual is None or values is None else entries.numel() * residual.element_size()
+    small = nbytes([applied, step] + ([values] if values is not None else []))
+    return gather + state + update_read + unapplied + small, state + update_written + unapplied
+
+
 # the rest: their boundary (every tensor argument read, returned and mutated ones written)
 COMPILED_TRAFFIC = {"score": _score_traffic, "gather": _gather_traffic, "masked_update": _masked_update_traffic,
-                    "update": _update_traffic, "stage": _stage_traffic}
+                    "update": _update_traffic, "stage": _stage_traffic, "sparse_step": _sparse_step_traffic}
 
 
 def counted_kernels() -> None:

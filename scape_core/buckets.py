@@ -117,9 +117,8 @@ class Staging:
     (:func:`scape_core.kernels.stage_pass`, :func:`scape_core.kernels.finish_pass`).
 
     ``pieces``: ``(bucket, lo, hi, shift)`` in entry order: entries ``[lo, hi)`` of the mask are the
-    bucket's coordinates ``flat index - shift``. ``params``: ``(bucket, offset, numel, start)`` of
-    every parameter: its gradient at ``offset`` in the bucket, its residual at ``start`` in the flat
-    buffers. Built once per bucket structure and density; plain ints, so a compiled pass bakes them in.
+    bucket's coordinates ``flat index - shift``. Built once per bucket structure and density; plain
+    ints, so a compiled pass bakes them in.
 
     Example:
         >>> layout = FlatLayout({"w": torch.zeros(20), "b": torch.zeros(3)}, chunk=8)
@@ -129,18 +128,16 @@ class Staging:
     """
 
     def __init__(self, layout: FlatLayout, plans: tuple[BucketPlan, ...], shape: MaskShape) -> None:
-        pieces, params = [], []
+        pieces = []
         for j, plan in enumerate(plans):
             for name, offset in zip(plan.names, plan.offsets):
                 start = layout.first_row[name] * layout.chunk
-                params.append((j, offset, layout.numel[name], start))
                 pieces += [(lo, j, hi, start - offset) for lo, hi in shape.ranges((name,))]
         pieces.sort()
         covered = sum(hi - lo for lo, _, hi, _ in pieces)
         if covered != shape.entries:  # every synchronized parameter is in exactly one bucket
             raise RuntimeError(f"the buckets hold {covered} of the mask's {shape.entries} entries")
         self.pieces = tuple((j, lo, hi, shift) for lo, j, hi, shift in pieces)
-        self.params = tuple(params)
         self.buckets = len(plans)
         self.entries = shape.entries
 

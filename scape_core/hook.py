@@ -65,10 +65,16 @@ def finish_step(state: ScapeState, record: StepRecord, reduced: Tensor, kept: Te
     bucket in one pass (:func:`scape_core.kernels.finish_pass`)."""
     try:
         if state.kernels.compiled:
-            staging = record.staging
+            residuals, grads, owners = [], [], []
+            if state.residual_buffer is not None:
+                for j, x in enumerate(record.exchanges):
+                    views = x.bucket.residuals(state.layout, state.residual_buffer)
+                    residuals += views
+                    grads += x.bucket.grads
+                    owners += [j] * len(views)
             ok, record.values = state.kernels.finish(
-                [x.buffer for x in record.exchanges], state.residual_buffer, record.entries, reduced, kept,
-                torch.stack([x.finite for x in record.exchanges]), staging.pieces, staging.params)
+                [x.buffer for x in record.exchanges], residuals, grads, tuple(owners), state.residual_buffer,
+                record.entries, reduced, kept, torch.stack([x.finite for x in record.exchanges]), record.staging.pieces)
             record.finite.extend(ok.unbind())
         else:
             for x in record.exchanges:

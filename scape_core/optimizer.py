@@ -234,23 +234,23 @@ class ScapeAdamS(AdamS):
         entries = mask.flat(scape.layout)
         with_grad = [p for _, params in groups for p in params]
         fused = scape.kernels.compiled and all_have_grad and self._contiguous(with_grad)
-        if fused:  # the window sums read in place from p.grad, in one compiled gather
+        if fused:
             pieces = scape.layout.mask_shape(mask.density).pieces([self._names[p] for p in with_grad])
-            s = scape.kernels.gather([p.grad for p in with_grad], entries, pieces)
+            decay, scale = self._decay_and_scale(groups, skip, entries.device)
+            if not scape.sharded:  # the whole optimizer half in one compiled pass
+                scape.kernels.sparse_step(self.rule, with_grad, [p.grad for p in with_grad], self.momentum_buffer,
+                                          self.statistics, scape.window_buffer, scape.residual_buffer,
+                                          scape.record.values, entries, ~skip, scape.step, decay, scale, pieces, **hp)
+                return
+            s = scape.kernels.gather([p.grad for p in with_grad], entries, pieces)  # read in place from p.grad
         else:
             s = scape.record.gather_gradients(with_grad, entries.numel())  # the window sums, read back from p.grad
         applied = ~skip if all_have_grad else self._entries_with_grad(with_grad, entries, ~skip)
         u = self._masked_update(mask, s, applied, hp)
-        keep = (~skip).float()
         if fused:  # decay and update in place, one pass over the parameters: the buckets are not written
-            decay, scale = [], []
-            for index, (group, params) in enumerate(groups):
-                factor = keep.mul(-group["lr"] * group["weight_decay"]).add_(1.0) if group["weight_decay"] else None
-                lr = scape.kernels.scalar(f"lr{index}", -group["lr"], u.device, torch.float32)
-                decay += [factor] * len(params)
-                scale += [lr] * len(params)
             scape.kernels.update(with_grad, entries, u, decay, scale, pieces)
         else:
+            keep = (~skip).float()
             scape.record.scatter_update(u)  # the bucket buffers now hold u on the mask
             for group, params in groups:
                 if not params:
@@ -261,6 +261,20 @@ class ScapeAdamS(AdamS):
                 torch._foreach_add_(params, deltas, alpha=-group["lr"])
             scape.record.restore_gradients(s)
         scape.record.return_unapplied(scape.residual_buffer, entries, applied)
+
+    def _decay_and_scale(self, groups: list[tuple[dict[str, Any], list[Tensor]]], skip: Tensor,
+                         device: torch.device) -> tuple[list[Tensor | None], list[Tensor]]:
+        """Per parameter with a gradient: its decay factor (1 on a skipped step; None without decay)
+        and ``-lr``, as tensors a compiled pass reads."""
+        keep = (~skip).float()
+        decay: list[Tensor | None] = []
+        scale: list[Tensor] = []
+        for index, (group, params) in enumerate(groups):
+            factor = keep.mul(-group["lr"] * group["weight_decay"]).add_(1.0) if group["weight_decay"] else None
+            lr = self.kernels.scalar(f"lr{index}", -group["lr"], device, torch.float32)
+            decay += [factor] * len(params)
+            scale += [lr] * len(params)
+        return decay, scale
 
     @staticmethod
     def _contiguous(params: list[Tensor]) -> bool:

@@ -68,6 +68,9 @@ class ScapeState:
     - ``mask_refresh``: steps between new masks; larger saves selection time.
     - ``shard_optimizer``: ZeRO-1: ``m``, statistics and windows for this rank's block of rows
       only, for more bytes per step; bit-identical to the replicated mode.
+    - ``kernels``: ``"compiled"`` runs the passes over every coordinate as ``torch.compile``'d
+      fused loops (:mod:`scape_core.kernels`): about half the memory traffic of a sparse step and
+      a fixed number of operators whatever the buckets, for a compile in the first steps.
     - Build DDP with ``gradient_as_bucket_view=True`` where you can: the optimizer reads and
       writes the synchronized gradients in DDP's buckets (otherwise it first copies them there).
 
