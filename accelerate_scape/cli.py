@@ -37,6 +37,7 @@ QUESTIONS = {
     "wire": "How a sparse step's values travel: native (the gradients' dtype), bfloat16, int8 or int4",
     "wire_block": "Values per fp32 scale of an int8/int4 wire",
     "skip_streak_warning": "Warn after this many consecutive steps skipped for non-finite gradients (0: never)",
+    "kernels": "The passes over every coordinate: eager (torch operators) or compiled (torch.compile'd fused loops)",
 }
 
 

@@ -67,7 +67,8 @@ from benchmarks.bench_common import (
 
 ROOT = Path(__file__).resolve().parent.parent
 METHODS = ("no-comm + AdamS", "DDP + AdamW", "DDP + AdamS", "PowerSGD r4 + AdamW", "SCAPE 90%", "SCAPE 99%",
-           "SCAPE 99% sharded")
+           "SCAPE 99% sharded", "no-comm + AdamS compiled", "SCAPE 90% compiled", "SCAPE 99% compiled")
+COMPILED = " compiled"  # a method name's suffix: ScapeConfig(kernels="compiled") / AdamS(kernels="compiled")
 DENSE = "DDP + AdamW"
 BOUND = "no-comm + AdamS"
 
@@ -136,8 +137,9 @@ def build(name: str, base: nn.Module, warmup_steps: int) -> Method:
 
     hp = dict(lr=3e-4, betas=(0.9, 0.95), weight_decay=0.1)
     model = copy.deepcopy(base)
-    if name == BOUND:
-        return Method(name, model, AdamS(model.parameters(), **hp))
+    kernels = "compiled" if name.endswith(COMPILED) else "eager"
+    if name.removesuffix(COMPILED) == BOUND:
+        return Method(name, model, AdamS(model.parameters(), kernels=kernels, **hp))
     # torch's PowerSGD hook launches its P/Q all-reduces from completion callbacks; on gloo those
     # race with the next bucket's all-reduce and the ranks' collectives mismatch. One bucket avoids it.
     ddp = DDP(model, bucket_cap_mb=1e4) if name.startswith("PowerSGD") else DDP(model)
@@ -152,7 +154,7 @@ def build(name: str, base: nn.Module, warmup_steps: int) -> Method:
         return Method(name, ddp, torch.optim.AdamW(ddp.parameters(), **hp))
     sparsity = float(name.split()[1].rstrip("%")) / 100
     sharded = {"shard_optimizer": True} if name.endswith("sharded") else {}
-    state = ScapeState(ddp, sparsity=sparsity, **scape_fields(warmup_steps), **sharded)
+    state = ScapeState(ddp, sparsity=sparsity, **scape_fields(warmup_steps), **sharded, kernels=kernels)
     ddp.register_comm_hook(state, scape_hook)
     return Method(name, ddp, ScapeAdamS(ddp.parameters(), state, **hp), scape=state)
 

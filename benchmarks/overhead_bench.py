@@ -91,8 +91,9 @@ def instrument() -> None:
     import scape_core.state as state
     from scape_core import AdamS, ScapeAdamS
 
-    TIMER.wrap(hook, "compact", "compact")
-    TIMER.wrap(hook, "finish_sparse", "finish")
+    TIMER.wrap(hook, "stage", "compact")  # eager kernels: per bucket
+    TIMER.wrap(hook, "stage_step", "compact")  # compiled kernels: every bucket at once
+    TIMER.wrap(hook, "finish_step", "finish")
     TIMER.wrap(selection, "select", "topk")  # inside MaskSelector.choose
     TIMER.wrap(selection.MaskSelector, "choose", "select")
     TIMER.wrap(selection.MaskSelector, "finish_pending", "mask_wait")
@@ -103,7 +104,7 @@ def instrument() -> None:
     TIMER.wrap(selection, "all_gather_into_tensor", "gather_launch")  # inside choose (scores read per rank)
 
 
-def build(name: str, base: torch.nn.Module, warmup: int, mask_refresh: int) -> tuple[Any, Any]:
+def build(name: str, base: torch.nn.Module, warmup: int, mask_refresh: int, kernels: str = "eager") -> tuple[Any, Any]:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
     from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -113,8 +114,8 @@ def build(name: str, base: torch.nn.Module, warmup: int, mask_refresh: int) -> t
     ddp = DDP(copy.deepcopy(base))
     if name == "DDP + AdamS":
         ddp.register_comm_hook(None, default_hooks.allreduce_hook)
-        return ddp, AdamS(ddp.parameters(), **hp)
-    fields = scape_fields(warmup)
+        return ddp, AdamS(ddp.parameters(), kernels=kernels, **hp)
+    fields = {**scape_fields(warmup), "kernels": kernels}
     if name.endswith(" fp32"):  # the native wire (the default at 99% is int4 where the core has wires)
         fields["wire"] = "native"
     state = ScapeState(ddp, sparsity=float(name.split()[1].rstrip("%")) / 100, mask_refresh=mask_refresh, **fields)
@@ -153,7 +154,7 @@ def derive(p: dict[str, float]) -> dict[str, float]:
 def worker(args: argparse.Namespace) -> None:
     rank, _, data, base = start_rank(args.params, args.context, args.layers)
     names = ["DDP + AdamS", "SCAPE 90%", "SCAPE 99%", "SCAPE 99% fp32"]
-    runs = {n: build(n, base, args.scape_warmup, args.mask_refresh) for n in names}
+    runs = {n: build(n, base, args.scape_warmup, args.mask_refresh, args.kernels) for n in names}
     data_of = {n: batches(data, args.batch, args.context, seed=1000 * rank) for n in names}
     instrument()
     for n in names:
@@ -176,8 +177,11 @@ def worker(args: argparse.Namespace) -> None:
         table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, dict(rows))
+    compiles = {n: (opt.scape.kernels if hasattr(opt, "scape") else opt.kernels).compile_seconds
+                for n, (_, opt) in runs.items()}  # the first calls of each compiled pass (in the warm steps)
     if rank == 0:
-        out = {"params": count_params(base), "per_rank": gathered, "profile": table}
+        out = {"params": count_params(base), "per_rank": gathered, "profile": table, "kernels": args.kernels,
+               "compile_seconds": compiles}
         Path(args.result).write_text(json.dumps(out))
     dist.destroy_process_group()
 
@@ -215,6 +219,11 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> str:
                 lines.append(f"\n{n} ({clock}): hook + selection = {1000 * cost:.1f} ms ({stat} per step) = "
                              f"{pct:.1f}% of the median dense step ({1000 * dense:.0f} ms) -> target <= 10%: "
                              f"{'MET' if pct <= 10 else 'NOT MET'}")
+    if res.get("compile_seconds"):
+        firsts = [f"{n}: " + ", ".join(f"{k} {v:.1f}" for k, v in c.items()) + f" (total {sum(c.values()):.1f})"
+                  for n, c in res["compile_seconds"].items() if c]
+        lines.append(f"\nkernels={res.get('kernels', 'eager')}; first calls of the compiled passes (rank 0, s): "
+                     + "; ".join(firsts))
     return "\n".join(lines)
 
 
@@ -229,6 +238,8 @@ def main() -> None:
     p.add_argument("--warm", type=int, default=4)
     p.add_argument("--scape-warmup", type=int, default=2)
     p.add_argument("--mask-refresh", type=int, default=1, help="ScapeConfig.mask_refresh (steps per new mask)")
+    p.add_argument("--kernels", default="eager", choices=("eager", "compiled"),
+                   help="ScapeConfig.kernels (and AdamS's) for every method; the warm steps include the compiles")
     p.add_argument("--profile", action="store_true", help="also profile two SCAPE 99%% steps (torch.profiler)")
     p.add_argument("--timeout", type=float, default=420)
     p.add_argument("--json", default=str(ROOT / "docs" / "overhead_bench.json"))

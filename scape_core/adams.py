@@ -8,6 +8,7 @@ import torch
 from torch import Tensor
 
 from scape_core.config import check_optimizer_args
+from scape_core.kernels import Kernels
 
 MOMENTUM = "exp_avg"  # optimizer-state key of m, named as in torch's Adam
 
@@ -80,6 +81,9 @@ class AdamS(torch.optim.Optimizer):
         eps: added to the root, outside it.
         weight_decay: decoupled weight decay.
         foreach: use multi-tensor kernels (default: yes); ``False`` runs the reference path.
+        kernels: ``"eager"`` (default) or ``"compiled"``: the step as one ``torch.compile``'d loop
+            per tensor, reading parameter, gradient and ``m`` once and writing parameter and
+            ``m`` once (:mod:`scape_core.kernels`; compiles at the first step).
 
     Example:
         >>> model = torch.nn.Linear(4, 2)
@@ -96,8 +100,10 @@ class AdamS(torch.optim.Optimizer):
         weight_decay: float = 0.0,
         *,
         foreach: bool | None = None,
+        kernels: str = "eager",
     ) -> None:
         check_optimizer_args(lr, betas, eps, weight_decay)
+        self.kernels = Kernels(kernels)
         defaults = dict(**_as_floats(lr, betas, eps, weight_decay), foreach=foreach)
         super().__init__(params, defaults)
 
@@ -147,7 +153,8 @@ class AdamS(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             params, grads, momenta = self._grads(group)
-            run = adams_reference if group["foreach"] is False else adams_foreach
+            run = adams_reference if group["foreach"] is False else (
+                self.kernels.adams if self.kernels.compiled else adams_foreach)
             beta1, beta2 = group["betas"]
             run(params, grads, momenta, lr=group["lr"], beta1=beta1, beta2=beta2,
                 eps=group["eps"], weight_decay=group["weight_decay"])

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from scape_core import wire
-from scape_core.layout import FlatLayout, gather_spans, scatter_spans
+from scape_core.layout import FlatLayout, MaskShape, gather_spans, scatter_spans
 
 
 @dataclass
@@ -31,6 +31,7 @@ class BucketPlan:
 
     names: tuple[str, ...]
     grads: list[Tensor]  # flat views of each parameter's gradient in the bucket buffer
+    offsets: tuple[int, ...] = ()  # where each parameter's gradient starts in the bucket buffer
     residual_views: list[Tensor] | None = None  # the same parameters' residual views, once the residual exists
 
     def residuals(self, layout: FlatLayout, residual: Tensor) -> list[Tensor]:
@@ -53,6 +54,7 @@ class Buckets:
         # flat index of a coordinate + the shift of its row = its position in its bucket's buffer
         self.row_shift = torch.zeros(layout.rows, dtype=torch.long, device=layout.device)
         self._wire_plans: dict[int, wire.WirePlan] = {}
+        self._staging: dict[tuple, Staging] = {}
 
     def plan(self, bucket: dist.GradBucket) -> BucketPlan:
         """The bucket's plan, built at its first sight (and again after DDP rebuilds its buckets)."""
@@ -66,7 +68,7 @@ class Buckets:
             kind = "sparse" if buffer.is_sparse else buffer.dtype
             raise TypeError(f"scape_hook needs dense floating-point gradients; {names} have {kind} gradients "
                             "(use nn.Embedding(sparse=False))")
-        names, grads, rows, shifts = [], [], [], []
+        names, grads, offsets, rows, shifts = [], [], [], [], []
         layout = self.layout
         for p, g in zip(bucket.parameters(), bucket.gradients()):
             name = self.names[id(p)]
@@ -74,6 +76,7 @@ class Buckets:
             grads.append(g.view(-1))
             self.views[name] = g  # shaped like the parameter: the optimizer reads and writes through it
             offset = g.storage_offset() - buffer.storage_offset()  # where the gradient starts in the bucket
+            offsets.append(offset)
             first = layout.first_row[name]
             rows.append(torch.arange(first, first + layout.nrows[name]))
             shifts.append(torch.full((layout.nrows[name],), offset - first * layout.chunk))
@@ -81,8 +84,16 @@ class Buckets:
                                    torch.cat(shifts).to(self.row_shift.device))
         for stale in [k for k, old in self.plans.items() if not set(old.names).isdisjoint(names)]:
             del self.plans[stale]  # DDP rebuilt its buckets: the old plan would keep the old buffer alive
-        found = self.plans[key] = BucketPlan(tuple(names), grads)
+        found = self.plans[key] = BucketPlan(tuple(names), grads, tuple(offsets))
         return found
+
+    def staging(self, plans: tuple[BucketPlan, ...], shape: MaskShape) -> "Staging":
+        """The step-wide plan of a sparse step whose buckets are ``plans`` (in hook order), at ``shape``'s density."""
+        key = (tuple(id(p) for p in plans), shape.density)
+        if key not in self._staging:
+            self._staging = {k: v for k, v in self._staging.items() if k[0] == key[0]}  # DDP rebuilt: drop the old
+            self._staging[key] = Staging(self.layout, plans, shape)
+        return self._staging[key]
 
     def positions(self, entries: Tensor) -> Tensor:
         """Where the flat ``entries`` sit in their buckets' buffers."""
@@ -101,16 +112,46 @@ class Buckets:
             plan.residual_views = None
 
 
+class Staging:
+    """Where every mask entry sits in DDP's buckets, for the compiled step-wide passes
+    (:func:`scape_core.kernels.stage_pass`, :func:`scape_core.kernels.finish_pass`).
+
+    ``pieces``: ``(bucket, lo, hi, shift)`` in entry order: entries ``[lo, hi)`` of the mask are the
+    bucket's coordinates ``flat index - shift``. Built once per bucket structure and density; plain
+    ints, so a compiled pass bakes them in.
+
+    Example:
+        >>> layout = FlatLayout({"w": torch.zeros(20), "b": torch.zeros(3)}, chunk=8)
+        >>> plans = (BucketPlan(("b", "w"), [], (0, 3)),)        # one bucket: b first, then w
+        >>> Staging(layout, plans, layout.mask_shape(0.25)).pieces
+        ((0, 0, 5, -3), (0, 5, 6, 24))
+    """
+
+    def __init__(self, layout: FlatLayout, plans: tuple[BucketPlan, ...], shape: MaskShape) -> None:
+        pieces = []
+        for j, plan in enumerate(plans):
+            for name, offset in zip(plan.names, plan.offsets):
+                start = layout.first_row[name] * layout.chunk
+                pieces += [(lo, j, hi, start - offset) for lo, hi in shape.ranges((name,))]
+        pieces.sort()
+        covered = sum(hi - lo for lo, _, hi, _ in pieces)
+        if covered != shape.entries:  # every synchronized parameter is in exactly one bucket
+            raise RuntimeError(f"the buckets hold {covered} of the mask's {shape.entries} entries")
+        self.pieces = tuple((j, lo, hi, shift) for lo, j, hi, shift in pieces)
+        self.buckets = len(plans)
+        self.entries = shape.entries
+
+
 @dataclass
 class Exchange:
     """One bucket's part of a sparse step's exchange: where its entries are, and its result's future."""
 
     bucket: BucketPlan
     buffer: Tensor  # the bucket's buffer (holds the mean on the mask once the exchange finished)
-    entries: Tensor  # flat indices into SCAPE's buffers
-    positions: Tensor  # the same coordinates in the bucket buffer
+    entries: Tensor | None  # flat indices into SCAPE's buffers (compiled passes: found when first needed)
+    positions: Tensor | None  # the same coordinates in the bucket buffer (likewise)
     spans: list[tuple[int, int]]  # where the bucket's entries sit among the mask's entries
-    finite: Tensor  # this rank's gradients in the bucket are finite (0-dim bool)
+    finite: Tensor | None  # this rank's gradients in the bucket are finite (0-dim bool; compiled: once staged)
     future: torch.futures.Future = field(default_factory=torch.futures.Future)  # DDP waits on it
 
 
@@ -124,6 +165,8 @@ class StepRecord:
     values: Tensor | None = None  # sparse: the mean exchanged at each mask entry (0 where a bucket was not finite)
     send: Tensor | None = None  # sparse: a_r = g_r + e_r at each mask entry (fp32), what this rank sends
     exchanges: list[Exchange] = field(default_factory=list)  # sparse: one per bucket
+    entries: Tensor | None = None  # sparse: the mask's flat entries
+    staging: Staging | None = None  # sparse, compiled kernels: where the entries sit in the buckets
     applied_names: list[str] = field(default_factory=list)  # parameters with a gradient at the optimizer step
 
     def sync(self, names: tuple[str, ...]) -> None:
@@ -145,6 +188,13 @@ class StepRecord:
             self.send = torch.zeros(total, device=exchange.entries.device)
         self.exchanges.append(exchange)
 
+    def located(self, x: Exchange) -> Tensor:
+        """Where ``x``'s entries sit in its bucket (found now where the compiled passes did not need it)."""
+        if x.positions is None:
+            x.entries = gather_spans(self.entries, x.spans)
+            x.positions = self.buckets.positions(x.entries)
+        return x.positions
+
     def return_unapplied(self, residual: Tensor | None, entries: Tensor, applied: Tensor) -> None:
         """Exchanged values the optimizer did not apply (a skipped step, a parameter without
         gradient) go back into ``residual``: nothing sent is lost. ``applied``: bool, 0-dim or per entry."""
@@ -165,7 +215,7 @@ class StepRecord:
             torch._foreach_copy_([v for v, _ in elsewhere], [g for _, g in elsewhere])
         values = torch.empty(entries, device=self.buckets.layout.device)
         for x in self.exchanges:
-            scatter_spans(values, x.spans, x.buffer.index_select(0, x.positions))
+            scatter_spans(values, x.spans, x.buffer.index_select(0, self.located(x)))
         return values
 
     def scatter_update(self, update: Tensor) -> None:
@@ -173,9 +223,9 @@ class StepRecord:
         parameter's bucket view (:attr:`Buckets.views`) then holds its dense update."""
         for x in self.exchanges:
             x.buffer.zero_()
-            x.buffer.index_copy_(0, x.positions, gather_spans(update, x.spans).to(x.buffer.dtype))
+            x.buffer.index_copy_(0, self.located(x), gather_spans(update, x.spans).to(x.buffer.dtype))
 
     def restore_gradients(self, values: Tensor) -> None:
         """Put the synchronized gradient back into the buckets (``p.grad`` when it is the bucket's view)."""
         for x in self.exchanges:
-            x.buffer.index_copy_(0, x.positions, gather_spans(values, x.spans).to(x.buffer.dtype))
+            x.buffer.index_copy_(0, self.located(x), gather_spans(values, x.spans).to(x.buffer.dtype))

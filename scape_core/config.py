@@ -8,6 +8,7 @@ import numbers
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
 
+from scape_core.kernels import KERNELS
 from scape_core.layout import MAX_CHUNK
 from scape_core.schedule import MaskSchedule
 from scape_core.update_rules import UPDATE_RULES
@@ -71,6 +72,10 @@ class ScapeConfig:
             the device and read where SCAPE already reads it (``ScapeState.stats()``, which the
             adapters call every step or log), else from a copy started every 25 steps without
             waiting (so up to 50 steps late). ``0``: never warn.
+        kernels: ``"eager"`` (default) runs the passes over every coordinate (the residual, the
+            score, the decay and update, dense AdamS) as torch operators; ``"compiled"`` runs them
+            as ``torch.compile``'d fused loops (:mod:`scape_core.kernels`): fewer passes over memory
+            (``docs/benchmarks.md``), at a compile of seconds per pass in each process's first steps.
 
     Example:
         >>> ScapeConfig(sparsity=0.9, warmup_steps=20).density
@@ -92,6 +97,7 @@ class ScapeConfig:
     wire: str = "auto"
     wire_block: int = 128
     skip_streak_warning: int = 5
+    kernels: str = "eager"
 
     def __post_init__(self) -> None:
         normalized = {  # any real number type (numpy scalars included) is kept as a Python float / int
@@ -109,6 +115,8 @@ class ScapeConfig:
             raise ValueError(f"sparsity must be in [0, 1), got {self.sparsity!r}")
         if self.chunk_size > MAX_CHUNK:
             raise ValueError(f"chunk_size must be <= {MAX_CHUNK} (columns are int16), got {self.chunk_size!r}")
+        if self.kernels not in KERNELS:
+            raise ValueError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
         if self.wire not in WIRES:
             raise ValueError(f"wire must be one of {WIRES}, got {self.wire!r}")
         object.__setattr__(self, "wire_block", _check_int("wire_block", self.wire_block, minimum=8))

@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from scape_core import inflight, wire
+from scape_core import inflight
 from scape_core.buckets import BucketPlan, Exchange, StepRecord
 from scape_core.compat import all_gather_into_tensor
 from scape_core.layout import gather_spans, scatter_spans
@@ -61,17 +61,42 @@ def finish_bucket(state: ScapeState, exchange: Exchange, reduced: Tensor, kept: 
 
 def finish_step(state: ScapeState, record: StepRecord, reduced: Tensor, kept: Tensor | None) -> None:
     """Every bucket's share of the step's exchanged means (``reduced``, one per mask entry); then
-    DDP's futures complete (their failure, if anything here raised)."""
+    DDP's futures complete (their failure, if anything here raised). Compiled kernels: every
+    bucket in one pass (:func:`scape_core.kernels.finish_pass`)."""
     try:
-        for x in record.exchanges:
-            kept_here = None if kept is None else gather_spans(kept, x.spans)
-            finish_bucket(state, x, gather_spans(reduced, x.spans), kept_here)
+        if state.kernels.compiled:
+            residuals, grads, owners = [], [], []
+            if state.residual_buffer is not None:
+                for j, x in enumerate(record.exchanges):
+                    views = x.bucket.residuals(state.layout, state.residual_buffer)
+                    residuals += views
+                    grads += x.bucket.grads
+                    owners += [j] * len(views)
+            ok, record.values = state.kernels.finish(
+                [x.buffer for x in record.exchanges], residuals, grads, tuple(owners), state.residual_buffer,
+                record.entries, reduced, kept, torch.stack([x.finite for x in record.exchanges]), record.staging.pieces)
+            record.finite.extend(ok.unbind())
+        else:
+            for x in record.exchanges:
+                kept_here = None if kept is None else gather_spans(kept, x.spans)
+                finish_bucket(state, x, gather_spans(reduced, x.spans), kept_here)
     except BaseException as e:
         for x in record.exchanges:
             x.future.set_exception(e)
         raise
     for x in record.exchanges:
         x.future.set_result(x.buffer)
+
+
+def stage_step(state: ScapeState, record: StepRecord, mask: Mask) -> None:
+    """Compiled kernels: the step's compact buffer from every bucket at once, once the last is in
+    (:func:`scape_core.kernels.stage_pass`); each bucket's own verdict is kept for the finish."""
+    shape = state.layout.mask_shape(mask.density)
+    record.staging = state.buckets.staging(tuple(x.bucket for x in record.exchanges), shape)
+    record.send, finite = state.kernels.stage([x.buffer for x in record.exchanges], state.residual_buffer,
+                                              record.entries, record.staging.pieces)
+    for x, verdict in zip(record.exchanges, finite.unbind()):
+        x.finite = verdict
 
 
 def finish_dense(state: ScapeState, buffer: Tensor) -> Tensor:
@@ -113,7 +138,14 @@ def scape_hook(state: ScapeState, bucket: dist.GradBucket) -> torch.futures.Futu
         return work.get_future().then(lambda f: finish_dense(state, f.value()[0]))
     if not state.sparse_started:
         state.start_sparse()
-    exchange = stage(state, plan, mask, buffer)
+    if state.kernels.compiled:  # staged all at once at the last bucket
+        exchange = Exchange(plan, buffer, None, None, state.layout.mask_shape(mask.density).ranges(plan.names), None)
+        state.record.exchanges.append(exchange)
+        state.record.entries = mask.flat(state.layout)
+        if bucket.is_last():
+            stage_step(state, state.record, mask)
+    else:
+        exchange = stage(state, plan, mask, buffer)
     state.count(0, 0, dense_bytes)
     if bucket.is_last():  # the step's compact buffer is complete: exchange it
         (exchange_encoded if state.config.resolved_wire != "native" else exchange_native)(state, state.record)
@@ -142,20 +174,17 @@ def exchange_encoded(state: ScapeState, record: StepRecord) -> None:
     differently.
     """
     plan = state.buckets.wire_plan(record.send.numel())
-    group = state.process_group
-    segments = wire.pad(plan, record.send)  # (W, segment): one per owner
-    send = wire.encode(plan, segments)
-    kept = segments.sub_(wire.decode(plan, send)).view(-1)[:plan.entries]  # this rank's rounding stays here
+    group, kernels = state.process_group, state.kernels
+    send, kept = kernels.wire_send(plan, record.send)  # this rank's rounding stays in kept
     state.count(plan.entries, plan.nbytes, 0)  # as one all-reduce of the encoded buffer (see scape_core.wire)
     received = torch.empty_like(send)
     inflight.hold(dist.all_to_all_single(received, send, group=group, async_op=True)).wait()
-    mean = wire.owner_mean(plan, received)  # this rank's segment
-    own = wire.encode(plan, mean)
+    own, rounded = kernels.wire_own(plan, received)  # this rank's segment's mean, encoded
     lo = state.rank * plan.segment  # the owner keeps W times its encoding's rounding: the mean residual holds it
     hi = min(lo + plan.segment, plan.entries)
     if hi > lo:
-        kept[lo:hi] += mean.sub_(wire.decode(plan, own))[:hi - lo].mul_(plan.world)
+        kept[lo:hi] += rounded[:hi - lo]
     gathered = send.new_empty(send.numel())  # flat: gloo's all-gather wants it so
     work = inflight.hold(all_gather_into_tensor(gathered, own, group=group, async_op=True))
     work.get_future().then(lambda f: finish_step(
-        state, record, wire.decode(plan, gathered.view(send.shape)).view(-1)[:plan.entries], kept))
+        state, record, kernels.wire_decode(plan, gathered.view(send.shape)), kept))

@@ -255,6 +255,24 @@ class MaskShape:
             self._ranges[names] = _Ranges(merged)
         return self._ranges[names].spans
 
+    def pieces(self, names: list[str]) -> tuple[tuple[int, int, int, int], ...]:
+        """Where each parameter of ``names`` sits among the entries, in entry order: ``(i, lo, hi,
+        start)`` for entries ``[lo, hi)`` of ``names[i]`` (its full rows, then its shorter last
+        row, merged when adjacent), whose flat index minus ``start`` is the coordinate's index in
+        the parameter itself.
+
+        Example:
+            >>> layout = FlatLayout({"w": torch.zeros(20), "b": torch.zeros(3)}, chunk=8)   # rows: 8, 8, 4 | 3
+            >>> layout.mask_shape(0.25).pieces(["w", "b"])            # k = 2; the short rows pick 1 each
+            ((0, 0, 5, 0), (1, 5, 6, 24))
+        """
+        found = []
+        for i, name in enumerate(names):
+            start = self._layout.first_row[name] * self._layout.chunk
+            for lo, hi in self.ranges((name,)):
+                found.append((lo, i, hi, start))
+        return tuple((i, lo, hi, start) for lo, i, hi, start in sorted(found))
+
     def rows_spans(self, start: int, stop: int) -> list[tuple[int, int]]:
         """The entry ranges of rows ``[start, stop)`` (e.g. a shard's): its full rows' entries, then its shorter rows'.
 

@@ -76,7 +76,9 @@ class ScapeAdamS(AdamS):
         self.steps = torch.zeros(())  # optimizer steps taken, skipped ones included (on the CPU, as torch's Adam)
         self.statistics = {key: state.shard.zeros() for key in self.rule.statistics}
         self._consolidated: dict[str, Any] | None = None  # the whole state, gathered by consolidate_state_dict
-        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=foreach)
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=foreach,
+                         kernels=state.config.kernels)
+        self.kernels = state.kernels  # one set of compiled passes per state
         state.optimizer = self
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
@@ -213,7 +215,8 @@ class ScapeAdamS(AdamS):
         shard = self.scape.shard
         for group, params in groups:
             beta1, beta2 = group["betas"]
-            run = adams_reference if group["foreach"] is False else adams_foreach
+            run = adams_reference if group["foreach"] is False else (
+                self.kernels.adams if self.kernels.compiled else adams_foreach)
             if not shard.whole:
                 params = [p for p in params if self.state[p][MOMENTUM].numel()]  # with coordinates here
             names = [self._names[p] for p in params]
@@ -230,20 +233,53 @@ class ScapeAdamS(AdamS):
         scape = self.scape
         entries = mask.flat(scape.layout)
         with_grad = [p for _, params in groups for p in params]
-        s = scape.record.gather_gradients(with_grad, entries.numel())  # the window sums, read back from p.grad
+        fused = scape.kernels.compiled and all_have_grad and self._contiguous(with_grad)
+        if fused:
+            pieces = scape.layout.mask_shape(mask.density).pieces([self._names[p] for p in with_grad])
+            decay, scale = self._decay_and_scale(groups, skip, entries.device)
+            if not scape.sharded:  # the whole optimizer half in one compiled pass
+                scape.kernels.sparse_step(self.rule, with_grad, [p.grad for p in with_grad], self.momentum_buffer,
+                                          self.statistics, scape.window_buffer, scape.residual_buffer,
+                                          scape.record.values, entries, ~skip, scape.step, decay, scale, pieces, **hp)
+                return
+            s = scape.kernels.gather([p.grad for p in with_grad], entries, pieces)  # read in place from p.grad
+        else:
+            s = scape.record.gather_gradients(with_grad, entries.numel())  # the window sums, read back from p.grad
         applied = ~skip if all_have_grad else self._entries_with_grad(with_grad, entries, ~skip)
         u = self._masked_update(mask, s, applied, hp)
-        keep = (~skip).float()
-        scape.record.scatter_update(u)  # the bucket buffers now hold u on the mask
-        for group, params in groups:
-            if not params:
-                continue
-            if group["weight_decay"]:  # every coordinate, every applied step (1 on a skipped one)
-                torch._foreach_mul_(params, keep.mul(-group["lr"] * group["weight_decay"]).add_(1.0))
-            deltas = [scape.buckets.views[self._names[p]] for p in params]
-            torch._foreach_add_(params, deltas, alpha=-group["lr"])
-        scape.record.restore_gradients(s)
+        if fused:  # decay and update in place, one pass over the parameters: the buckets are not written
+            scape.kernels.update(with_grad, entries, u, decay, scale, pieces)
+        else:
+            keep = (~skip).float()
+            scape.record.scatter_update(u)  # the bucket buffers now hold u on the mask
+            for group, params in groups:
+                if not params:
+                    continue
+                if group["weight_decay"]:  # every coordinate, every applied step (1 on a skipped one)
+                    torch._foreach_mul_(params, keep.mul(-group["lr"] * group["weight_decay"]).add_(1.0))
+                deltas = [scape.buckets.views[self._names[p]] for p in params]
+                torch._foreach_add_(params, deltas, alpha=-group["lr"])
+            scape.record.restore_gradients(s)
         scape.record.return_unapplied(scape.residual_buffer, entries, applied)
+
+    def _decay_and_scale(self, groups: list[tuple[dict[str, Any], list[Tensor]]], skip: Tensor,
+                         device: torch.device) -> tuple[list[Tensor | None], list[Tensor]]:
+        """Per parameter with a gradient: its decay factor (1 on a skipped step; None without decay)
+        and ``-lr``, as tensors a compiled pass reads."""
+        keep = (~skip).float()
+        decay: list[Tensor | None] = []
+        scale: list[Tensor] = []
+        for index, (group, params) in enumerate(groups):
+            factor = keep.mul(-group["lr"] * group["weight_decay"]).add_(1.0) if group["weight_decay"] else None
+            lr = self.kernels.scalar(f"lr{index}", -group["lr"], device, torch.float32)
+            decay += [factor] * len(params)
+            scale += [lr] * len(params)
+        return decay, scale
+
+    @staticmethod
+    def _contiguous(params: list[Tensor]) -> bool:
+        """Whether every parameter and gradient is one dense block (the compiled passes index them flat)."""
+        return all(p.is_contiguous() and p.grad.is_contiguous() for p in params)
 
     def _masked_update(self, mask: Mask, s: Tensor, applied: Tensor, hp: dict[str, float]) -> Tensor:
         """The rule on the entries whose state this rank keeps; returns ``u`` for every entry (0 where
@@ -252,26 +288,10 @@ class ScapeAdamS(AdamS):
         if positions is not None:
             s = s.index_select(0, positions)
             applied = applied.index_select(0, positions) if applied.dim() else applied
-        n = self._mark_exchanged(local, applied)
-        m_flat = self.momentum_buffer.view(-1)
-        m = m_flat.index_select(0, local)
-        stats = {k: b.view(-1).index_select(0, local) for k, b in self.statistics.items()}
-        u, m_new, stats_new = self.rule.update(s, n if n is not None else torch.ones_like(s), m, stats, **hp)
-        m_flat.index_copy_(0, local, torch.where(applied, m_new, m))
-        for key, value in stats_new.items():
-            self.statistics[key].view(-1).index_copy_(0, local, torch.where(applied, value, stats[key]))
-        u = u.masked_fill_(~applied, 0.0)
+        windows = self.scape.window_buffer  # the window lengths n, if kept; marked exchanged now
+        u = self.kernels.masked_update(self.rule, self.momentum_buffer, self.statistics, windows, local, s, applied,
+                                       self.scape.step, **hp)
         return u if positions is None else self.scape.shards.gather_updates(u, mask.density)
-
-    def _mark_exchanged(self, entries: Tensor, applied: Tensor) -> Tensor | None:
-        """The window length of each entry (steps since its last exchange, >= 1); marks them exchanged now."""
-        windows, step = self.scape.window_buffer, self.scape.step
-        if windows is None:
-            return None
-        flat = windows.view(-1)
-        last = flat.index_select(0, entries)
-        flat.index_copy_(0, entries, torch.where(applied, step, last))
-        return last.neg_().add_(step)
 
     def _entries_with_grad(self, params: list[Tensor], entries: Tensor, keep: Tensor) -> Tensor:
         """Per mask entry: applied this step (``keep``, and its parameter has a gradient)."""

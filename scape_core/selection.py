@@ -19,6 +19,7 @@ from torch import Tensor
 from scape_core import inflight
 from scape_core.compat import all_gather_into_tensor
 from scape_core.config import ScapeConfig
+from scape_core.kernels import Kernels
 from scape_core.layout import FlatLayout
 from scape_core.masks import Mask, age_momentum_score, momentum_residual_score, select, strided
 
@@ -35,7 +36,7 @@ def partition(layout: FlatLayout, rank: int, world: int) -> slice:
 
 
 def score(kind: str, m: Tensor, residual: Tensor | None, windows: Tensor | None, target: int, beta1: float,
-          out: Tensor | None = None) -> Tensor:
+          out: Tensor | None = None, kernels: Kernels | None = None) -> Tensor:
     """The score of the coordinates of ``m`` (any rows) for the mask of step ``target``.
 
     ``kind`` is a :attr:`ScapeConfig.resolved_score`: ``"age_momentum"`` (``|m| (n - 1)``),
@@ -48,6 +49,8 @@ def score(kind: str, m: Tensor, residual: Tensor | None, windows: Tensor | None,
     if kind == "momentum_residual":
         return momentum_residual_score(m, residual, beta1)
     if kind == "age_momentum":
+        if kernels is not None and kernels.compiled and windows is not None:  # one fused pass
+            return kernels.age_momentum(m, windows, target, out if out is not None else torch.empty_like(m))
         return age_momentum_score(m, windows, target, out=out)
     return torch.abs(m, out=out)
 
@@ -73,8 +76,10 @@ class MaskSelector:
     """
 
     def __init__(self, layout: FlatLayout, config: ScapeConfig, *, rank: int = 0, world_size: int = 1,
-                 process_group: dist.ProcessGroup | None = None, counters: dict[str, int] | None = None) -> None:
+                 process_group: dist.ProcessGroup | None = None, counters: dict[str, int] | None = None,
+                 kernels: Kernels | None = None) -> None:
         self.layout, self.config, self.schedule = layout, config, config.schedule
+        self.kernels = kernels  # the score's pass (None: eager)
         self.rank, self.world_size, self.process_group = rank, world_size, process_group
         self.partition = partition(layout, rank, world_size)  # rows this rank scores when partitioned
         self.whole = config.replicated_score and not config.shard_optimizer  # every rank selects everything
@@ -150,7 +155,8 @@ class MaskSelector:
         m = momentum if sharded or self.whole else momentum[rows]
         e = None if residual is None else residual[rows]
         w = windows if windows is None or sharded or self.whole else windows[rows]
-        s = score(self.config.resolved_score, m, e, w, target, beta1, out=self.workspace(m.shape[0]))
+        s = score(self.config.resolved_score, m, e, w, target, beta1, out=self.workspace(m.shape[0]),
+                  kernels=self.kernels)
         own = select(s, self.layout, shape, scheduled, rows)
         if self.whole:  # every rank selected the whole mask itself: nothing to exchange
             return Mask(shape.density, own)

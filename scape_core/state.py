@@ -13,6 +13,7 @@ from scape_core import checkpoint, inflight
 from scape_core.buckets import Buckets, StepRecord
 from scape_core.config import ScapeConfig
 from scape_core.diagnose import DDPWatch
+from scape_core.kernels import Kernels
 from scape_core.layout import FlatLayout, Shard
 from scape_core.masks import Mask
 from scape_core.model import check_ddp_model, parameter_names
@@ -67,6 +68,9 @@ class ScapeState:
     - ``mask_refresh``: steps between new masks; larger saves selection time.
     - ``shard_optimizer``: ZeRO-1: ``m``, statistics and windows for this rank's block of rows
       only, for more bytes per step; bit-identical to the replicated mode.
+    - ``kernels``: ``"compiled"`` runs the passes over every coordinate as ``torch.compile``'d
+      fused loops (:mod:`scape_core.kernels`): about half the memory traffic of a sparse step and
+      a fixed number of operators whatever the buckets, for a compile in the first steps.
     - Build DDP with ``gradient_as_bucket_view=True`` where you can: the optimizer reads and
       writes the synchronized gradients in DDP's buckets (otherwise it first copies them there).
 
@@ -115,14 +119,15 @@ class ScapeState:
             raise ValueError("the model has no trainable parameters")
         self.names = {id(p): n for n, p in self.params.items()}
         self.layout = FlatLayout(self.params, self.config.chunk_size)
+        self.kernels = Kernels(self.config.kernels)  # the passes over every coordinate, eager or compiled
         self.sharded = self.config.shard_optimizer
         # shard_bytes: the sharded mode's all-gathers of updates and parameters (also in bytes_sent)
         self.counters = dict(steps=0, hook_calls=0, values_sent=0, bytes_sent=0, mask_bytes=0, dense_bytes=0,
                              shard_bytes=0)
         group = dict(rank=self.rank, world_size=self.world_size, process_group=process_group, counters=self.counters)
-        self.selector = MaskSelector(self.layout, self.config, **group)  # both build their plans now: their
-        self.shards = ShardExchange(self.layout, sharded=self.sharded, densities=self.schedule.densities(),
-                                    **group)  # first use reads the device once
+        # both build their plans now: their first use reads the device once
+        self.selector = MaskSelector(self.layout, self.config, kernels=self.kernels, **group)
+        self.shards = ShardExchange(self.layout, sharded=self.sharded, densities=self.schedule.densities(), **group)
         dtypes = {p.dtype for p in self.params.values()}
         self.buckets = Buckets(self.layout, self.names, self.config.resolved_wire, self.world_size,
                                self.config.wire_block, dtype=dtypes.pop() if len(dtypes) == 1 else torch.float32)

@@ -20,13 +20,13 @@ def transcription(theta, grads, lr, b1, b2, eps, wd):
     return torch.tensor(theta), torch.tensor(m)
 
 
-@pytest.mark.parametrize("foreach", [False, True])
-def test_adams_matches_formula(foreach):
+@pytest.mark.parametrize("foreach, kernels", [(False, "eager"), (True, "eager"), (True, "compiled")])
+def test_adams_matches_formula(foreach, kernels):
     torch.manual_seed(0)
     theta0 = torch.randn(7, dtype=torch.float64)
     grads = [torch.randn(7, dtype=torch.float64) for _ in range(5)]
     p = torch.nn.Parameter(theta0.clone())
-    opt = AdamS([p], lr=0.1, betas=(0.8, 0.9), eps=1e-3, weight_decay=0.5, foreach=foreach)
+    opt = AdamS([p], lr=0.1, betas=(0.8, 0.9), eps=1e-3, weight_decay=0.5, foreach=foreach, kernels=kernels)
     for g in grads:
         p.grad = g.clone()
         opt.step()
@@ -35,14 +35,15 @@ def test_adams_matches_formula(foreach):
     torch.testing.assert_close(opt.state[p]["exp_avg"].double(), want_m, rtol=1e-6, atol=1e-6)
 
 
-def test_foreach_equals_reference_and_groups():
+@pytest.mark.parametrize("kernels", ["eager", "compiled"])
+def test_foreach_equals_reference_and_groups(kernels):
     torch.manual_seed(1)
     model = torch.nn.Sequential(torch.nn.Linear(5, 4), torch.nn.Linear(4, 3))
     twin = copy.deepcopy(model)
     def groups(m):
         return [{"params": m[0].parameters(), "weight_decay": 0.1}, {"params": m[1].parameters(), "lr": 0.05}]
 
-    a = AdamS(groups(model), lr=0.01, foreach=True)
+    a = AdamS(groups(model), lr=0.01, foreach=True, kernels=kernels)
     b = AdamS(groups(twin), lr=0.01, foreach=False)
     for _ in range(4):
         x = torch.randn(8, 5)
@@ -97,7 +98,23 @@ def test_sparse_gradient_rejected():
         opt.step()
 
 
+def test_a_compiler_that_fails_says_so_and_names_the_eager_kernels(monkeypatch):
+    def no_compiler(fn, **kwargs):
+        def call(*args, **kw):
+            raise OSError("no C++ compiler found")
+        return call
+
+    monkeypatch.setattr(torch, "compile", no_compiler)
+    p = torch.nn.Parameter(torch.ones(3))
+    p.grad = torch.ones(3)
+    with pytest.raises(RuntimeError, match=r"kernels='compiled'.*AdamS.*OSError: no C\+\+ compiler.*kernels='eager'"):
+        AdamS([p], kernels="compiled").step()
+    with pytest.raises(ValueError, match="kernels"):
+        AdamS([p], kernels="fused")
+
+
 @pytest.mark.parametrize("kwargs, exc, word", [
+    (dict(kernels="triton"), ValueError, "kernels"),
     (dict(sparsity=1.0), ValueError, "sparsity"), (dict(sparsity=-0.1), ValueError, "sparsity"),
     (dict(sparsity="0.9"), TypeError, "sparsity"), (dict(warmup_steps=-1), ValueError, "warmup_steps"),
     (dict(warmup_steps=1.5), TypeError, "warmup_steps"), (dict(mask_delay=2), ValueError, "mask_delay"),

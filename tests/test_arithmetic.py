@@ -48,6 +48,10 @@ CASES = {  # every sparse case runs at its named density (ramp_steps=0) unless i
     "bfloat16_wire": dict(config=dict(sparsity=0.9, warmup_steps=2, ramp_steps=0, wire="bfloat16"), steps=12,
                           bucket_cap_mb=0.01),
 }
+# kernels="compiled" (scape_core.kernels): the same contract through the fused passes
+COMPILED = ["linear90", "skips", "skip_one_bucket", "dense", "int4", "bf16", "linear99_ramp_sharded"]
+CASES.update({f"{case}_compiled": {**CASES[case], "config": {**CASES[case]["config"], "kernels": "compiled"}}
+              for case in COMPILED})
 SHARDED = ["linear99_ramp_sharded", "lazy80_delay0_refresh2_sharded"]
 
 
@@ -100,13 +104,26 @@ def _record(rank: int, world: int, cases: dict) -> dict:
             opt.zero_grad()
             records.append(dict(before=before, grads=dict(local), mask=used, groups=groups, compact=compact,
                                 lr=lr_at(t), synced=synced, after=probe.snapshot(state, opt)))
-        out[case] = dict(records=records, skipped=state.stats()["skipped_steps"])
+        out[case] = dict(records=records, skipped=state.stats()["skipped_steps"], kernels=state.kernels.built)
     return out
 
 
 @pytest.fixture(scope="module")
 def runs() -> list[dict]:
     return run_distributed(_record, CASES)
+
+
+def test_compiled_cases_ran_the_compiled_passes(runs):
+    for case in COMPILED:
+        hook = {"AdamS", "score", "stage", "finish"}
+        want = hook | ({"gather", "masked_update", "update"} if "sharded" in case else {"sparse_step"})
+        if case == "dense":
+            want = {"AdamS"}
+        elif case == "int4":
+            want |= {"wire", "wire_own", "wire_decode"}
+        for r in runs:
+            assert want <= set(r[f"{case}_compiled"]["kernels"]), (case, r[f"{case}_compiled"]["kernels"])
+            assert not r[case]["kernels"], case  # eager: none
 
 
 def steps_of(runs: list[dict], case: str) -> list[list[dict]]:
@@ -118,7 +135,8 @@ def close(got: torch.Tensor, want: torch.Tensor, what: str, rtol: float = 1e-5, 
     torch.testing.assert_close(got, want.to(got.dtype), rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
 
 
-@pytest.mark.parametrize("case", ["linear90", "linear99_ramp", "lazy80_delay0_refresh2", "dense", *SHARDED])
+@pytest.mark.parametrize("case", ["linear90", "linear99_ramp", "lazy80_delay0_refresh2", "dense", *SHARDED,
+                                  "linear90_compiled", "dense_compiled", "linear99_ramp_sharded_compiled"])
 def test_every_step_follows_the_contract(runs, case):
     cfg = ScapeConfig(**CASES[case]["config"])
     checked = {"dense": 0, "sparse": 0}
@@ -144,7 +162,8 @@ def test_every_step_follows_the_contract(runs, case):
         assert checked["dense"] == cfg.warmup_steps and checked["sparse"] >= 8
 
 
-@pytest.mark.parametrize("case", ["linear90", "linear99_ramp", "lazy80_delay0_refresh2", *SHARDED])
+@pytest.mark.parametrize("case", ["linear90", "linear99_ramp", "lazy80_delay0_refresh2", *SHARDED,
+                                  "linear90_compiled"])
 def test_masks_are_the_top_k_of_the_contract_score(runs, case):
     cfg = ScapeConfig(**CASES[case]["config"])
     steps = steps_of(runs, case)
@@ -194,7 +213,7 @@ def test_ramp_densities_follow_the_contract(runs):
     assert seen[:3] == [seen[0]] * 3 and seen[0] > seen[3] > seen[6] > seen[9]  # 25%, 6.25%, 1.6%, then 1%
 
 
-@pytest.mark.parametrize("case", ["skips", "skips_sharded"])
+@pytest.mark.parametrize("case", ["skips", "skips_sharded", "skips_compiled"])
 def test_skipped_steps_change_nothing_and_lose_nothing(runs, case):
     steps = steps_of(runs, case)
     skip = CASES[case]["nonfinite_at"]
@@ -221,10 +240,11 @@ def test_skipped_steps_change_nothing_and_lose_nothing(runs, case):
     assert any(r["after"]["residual"][n].abs().sum() > 0 for r in steps[-1] for n in names)  # really held back
 
 
-def test_a_dropped_bucket_loses_its_gradient_and_clean_buckets_lose_nothing(runs):
-    steps = steps_of(runs, "skip_one_bucket")
-    bad = CASES["skip_one_bucket"]["nan_grad_at"]
-    assert all(r["skip_one_bucket"]["skipped"] == 1 for r in runs)
+@pytest.mark.parametrize("case", ["skip_one_bucket", "skip_one_bucket_compiled"])
+def test_a_dropped_bucket_loses_its_gradient_and_clean_buckets_lose_nothing(runs, case):
+    steps = steps_of(runs, case)
+    bad = CASES[case]["nan_grad_at"]
+    assert all(r[case]["skipped"] == 1 for r in runs)
     for rank, rec in enumerate(steps[bad]):  # the step is skipped: parameters and m stay
         for name in rec["before"]["param"]:
             assert torch.equal(rec["after"]["param"][name], rec["before"]["param"][name]), (rank, name)
@@ -242,8 +262,9 @@ def test_a_dropped_bucket_loses_its_gradient_and_clean_buckets_lose_nothing(runs
     assert "4.weight" in dropped and kept, (dropped, kept)
 
 
-def test_bf16_parameters_follow_the_contract_to_bf16_rounding(runs):
-    steps = steps_of(runs, "bf16")
+@pytest.mark.parametrize("case", ["bf16", "bf16_compiled"])
+def test_bf16_parameters_follow_the_contract_to_bf16_rounding(runs, case):
+    steps = steps_of(runs, case)
     for t, recs in enumerate(steps):
         mask = recs[0]["mask"]
         assert all(torch.equal(a, b) for a, b in zip(recs[0]["after"]["param"].values(),
@@ -265,7 +286,7 @@ def test_bf16_parameters_follow_the_contract_to_bf16_rounding(runs):
                 close(rec["after"]["residual"][name], exp["residual"][name], f"{where} residual", rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("case", ["int8", "int4", "bfloat16_wire"])
+@pytest.mark.parametrize("case", ["int8", "int4", "bfloat16_wire", "int4_compiled"])
 def test_encoded_wires_follow_the_contract(runs, case):
     """Each rank sends its values within half a step of its block's grid, the owner's mean is rounded
     once more, every rank keeps its own rounding (the owner also W times the second), conservation

@@ -124,3 +124,22 @@ def test_tiny_run_adds_the_known_optimizer_passes_and_a_sparse_step(tmp_path):
     # the residual pass and the update through the bucket views: 2 x (read 8 + write 4); the hook's callback counted
     assert scape["added"]["by_op"]["_foreach_add_"]["bytes_per_param"] == pytest.approx(24, abs=0.1)
     assert any(site.startswith("hook.finish_bucket: ") for site in scape["by_site"])  # gloo's callback, inline
+
+
+def test_compiled_kernels_cut_the_passes_and_the_operators(tmp_path):
+    out = tmp_path / "t.json"
+    subprocess.run([sys.executable, str(BENCH / "traffic_bench.py"), "--methods",
+                    "DDP + AdamS compiled,SCAPE 99% native,SCAPE 99% native compiled", "--params", "2e5",
+                    "--layers", "1", "--context", "16", "--batch", "1", "--out", str(out)], check=True, timeout=600,
+                   capture_output=True)
+    rows = json.loads(out.read_text())["methods"]
+    # one loop per tensor: p, g, m read; p, m written
+    assert rows["DDP + AdamS compiled"]["added"]["bytes_per_param"] == pytest.approx(20, abs=0.1)
+    eager, compiled = rows["SCAPE 99% native"], rows["SCAPE 99% native compiled"]
+    assert compiled["sparse"] and compiled["skipped_steps"] == 0 and compiled["host_reads"] == 0
+    ops = compiled["added"]["by_op"]
+    # the residual pass fused: read g and e, write e, zero the bucket (16) plus the entries; no eager pass over it
+    assert ops["compiled:finish"]["bytes_per_param"] == pytest.approx(16, abs=1.5)
+    assert "_foreach_add_" not in ops and "masked_fill_" not in ops
+    assert compiled["added"]["operators"] <= 80 < eager["added"]["operators"]
+    assert compiled["added"]["bytes_per_param"] < 0.6 * eager["added"]["bytes_per_param"]

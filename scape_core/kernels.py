@@ -1,0 +1,320 @@
+"""The step's passes over every coordinate, eager (the readable reference) or compiled into fused loops.
+
+A sparse step touches every coordinate a few times: the residual takes the bucket's gradient,
+the score reads ``m`` and the windows, every parameter is decayed and the mask's entries
+updated; a dense AdamS step reads the parameters, gradients and ``m``. Eager, each of those is
+several operators, each one pass over memory (``benchmarks/traffic_bench.py`` counts them).
+``ScapeConfig(kernels="compiled")`` runs them as ``torch.compile``'d pure functions of the flat
+buffers instead: inductor fuses each into one loop per tensor (C++ on the CPU, Triton on CUDA),
+so each coordinate is read and written once per pass.
+
+:class:`Kernels` holds the four passes in the mode chosen; the eager ones are the code the
+tests compare the compiled ones against. Compiled functions take lists of tensors and 0-dim
+tensors for every value that changes between steps (the learning rate, the step), so a run
+compiles each pass once per shape (once per mask density for the sparse update), not per step.
+
+What it costs: the first call of each pass compiles it (seconds on a CPU; see
+``docs/benchmarks.md``), once per process; inductor caches the generated code on disk, so a
+second run of the same model compiles faster. Where no compiler works (no C++ compiler, no
+Triton) the first call raises, naming ``kernels="eager"`` as the fix: nothing falls back silently.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+import types
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import Tensor
+
+from scape_core import wire
+from scape_core.wire import WirePlan
+
+KERNELS = ("eager", "compiled")
+
+Piece = tuple[int, int, int, int]  # (tensor index, first entry, end entry, flat index of the tensor's start)
+
+
+def compile_kernel(fn: Callable, name: str) -> Callable:
+    """``torch.compile`` of one pass (the one place SCAPE compiles; benchmarks wrap it to count it).
+
+    Each call compiles a fresh copy of ``fn``'s code: dynamo keeps its compiled graphs per code
+    object, at most 8 (``recompile_limit``; past it ``fullgraph=True`` fails), so every state,
+    density and bucket structure gets its own copy rather than sharing one across a process.
+    """
+    fresh = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    compiled = torch.compile(fresh, fullgraph=True, dynamic=False)
+    state = {"ready": False}
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        if state["ready"]:
+            return compiled(*args, **kwargs)
+        start = time.perf_counter()
+        try:
+            out = compiled(*args, **kwargs)
+        except Exception as e:  # the first call compiles: say what failed and what to do
+            raise RuntimeError(f"ScapeConfig(kernels='compiled'): torch.compile could not build SCAPE's {name} "
+                               f"pass ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
+                               "use kernels='eager'") from e
+        state["ready"] = True
+        call.first_call_seconds = time.perf_counter() - start  # type: ignore[attr-defined]
+        return out
+
+    call.first_call_seconds = None  # type: ignore[attr-defined]
+    return call
+
+
+# ----- the passes, as pure functions -------------------------------------------------------
+def adams_pass(params: list[Tensor], grads: list[Tensor], momenta: list[Tensor], lr: Tensor, decay: Tensor,
+               beta1: float, beta2: float, eps: float) -> None:
+    """One AdamS step per tensor (``decay = 1 - lr * weight_decay``): ``m`` and ``theta`` in one loop each."""
+    for p, g, m in zip(params, grads, momenta):
+        g32 = g.float()
+        v = beta2 * m * m + (1 - beta2) * g32 * g32  # previous m, current gradient
+        m.lerp_(g32, 1 - beta1)
+        p.copy_(p.float() * decay - lr * m / (v.sqrt() + eps))
+
+
+def age_momentum_pass(m: Tensor, synced_at: Tensor, before: Tensor, out: Tensor) -> Tensor:
+    """``|m| (n - 1)`` into ``out``: ``(synced_at - before) * m``, ``before = target - 1`` (0-dim)."""
+    return out.copy_(((synced_at - before) * m).abs())
+
+
+def stage_pass(buffers: list[Tensor], residual: Tensor | None, entries: Tensor,
+               pieces: Sequence[Piece]) -> tuple[Tensor, Tensor]:
+    """A sparse step's compact buffer from every bucket at once: ``g + e`` at the mask's entries (fp32,
+    in entry order), NaN where this rank's bucket is not finite; returns it and the buckets' verdicts.
+    ``pieces``: :attr:`scape_core.buckets.Staging.pieces`."""
+    finite = torch.stack([torch.isfinite(b).all() for b in buffers])
+    picked = torch.cat([buffers[j].index_select(0, entries[lo:hi] - shift).float() for j, lo, hi, shift in pieces])
+    if residual is not None:
+        picked = picked + residual.view(-1).index_select(0, entries)
+    clean = torch.cat([finite[j].expand(hi - lo) for j, lo, hi, _ in pieces])
+    return picked.masked_fill(~clean, float("nan")), finite
+
+
+def finish_pass(buffers: list[Tensor], residuals: list[Tensor], grads: list[Tensor], owners: Sequence[int],
+                residual: Tensor | None, entries: Tensor, reduced: Tensor, kept: Tensor | None, finite: Tensor,
+                pieces: Sequence[Piece]) -> tuple[Tensor, Tensor]:
+    """After the exchange, every bucket at once: a bucket whose ``reduced`` entries are all finite (on
+    every rank) and whose gradients were finite here adds its gradient to the residual, which keeps
+    ``kept`` (or 0) at the entries; every bucket then holds the mean on the mask, zeros elsewhere.
+    Returns each bucket's verdict and the means (fp32; 0 in a dropped bucket). As
+    :func:`scape_core.hook.finish_bucket`.
+
+    ``residuals`` and ``grads`` are each parameter's views (its bucket ``owners[i]``), passed in as
+    tensors: an in-place add into a slice of a buffer inside a compiled graph is functionalized
+    into a copy of the whole buffer per slice (measured: 2 s instead of 9 ms for 100 slices of 10M).
+    """
+    by_bucket: list[list[Tensor]] = [[] for _ in buffers]
+    for j, lo, hi, _ in pieces:
+        by_bucket[j].append(torch.isfinite(reduced[lo:hi]).all())
+    ok = torch.stack([torch.stack(v).all() for v in by_bucket])
+    good = torch.cat([ok[j].expand(hi - lo) for j, lo, hi, _ in pieces])
+    if residual is not None:
+        keep = ok & finite
+        for e, g, j in zip(residuals, grads, owners):  # e_r += g_r where the bucket went through
+            e.add_(torch.where(keep[j], g.float(), 0.0))
+        flat = residual.view(-1)
+        flat.index_copy_(0, entries, torch.where(good, 0.0 if kept is None else kept, flat.index_select(0, entries)))
+    mean = torch.where(good, reduced, 0.0)
+    for b in buffers:
+        b.zero_()
+    for j, lo, hi, shift in pieces:
+        buffers[j].index_copy_(0, entries[lo:hi] - shift, mean[lo:hi].to(buffers[j].dtype))
+    return ok, mean.float()
+
+
+def gather_pass(grads: list[Tensor], entries: Tensor, pieces: Sequence[Piece]) -> Tensor:
+    """The gradient at every mask entry (fp32), read from each tensor at ``entries[lo:hi] - start``."""
+    return torch.cat([grads[i].reshape(-1).index_select(0, entries[lo:hi] - start).float()
+                      for i, lo, hi, start in pieces])
+
+
+def update_pass(params: list[Tensor], entries: Tensor, u: Tensor, decay: list[Tensor | None],
+                scale: list[Tensor], pieces: Sequence[Piece]) -> None:
+    """``theta *= decay`` (per tensor; ``None``: no decay), then ``theta[j] += scale * u[j]`` at the entries."""
+    for p, d in zip(params, decay):
+        if d is not None:
+            p.mul_(d)
+    for i, lo, hi, start in pieces:
+        p = params[i].view(-1)
+        p.index_add_(0, entries[lo:hi] - start, (u[lo:hi] * scale[i]).to(p.dtype))
+
+
+def masked_update_pass(rule: Any, momentum: Tensor, statistics: dict[str, Tensor], windows: Tensor | None,
+                       local: Tensor, s: Tensor, applied: Tensor, step: Tensor, beta1: float, beta2: float,
+                       eps: float) -> Tensor:
+    """The update rule on the mask's entries (``local``: their flat indices in the state's buffers):
+    reads ``m``, the statistics and the windows there, writes them back where ``applied``, marks the
+    entries exchanged at ``step``; returns ``u`` (0 where not applied). As ``ScapeAdamS``'s eager path."""
+    n = torch.ones_like(s)
+    if windows is not None:
+        flat = windows.view(-1)
+        last = flat.index_select(0, local)
+        flat.index_copy_(0, local, torch.where(applied, step, last))
+        n = step - last
+    m_flat = momentum.view(-1)
+    m = m_flat.index_select(0, local)
+    stats = {k: b.view(-1).index_select(0, local) for k, b in statistics.items()}
+    u, m_new, stats_new = rule.update(s, n, m, stats, beta1=beta1, beta2=beta2, eps=eps)
+    m_flat.index_copy_(0, local, torch.where(applied, m_new, m))
+    for key, value in stats_new.items():
+        statistics[key].view(-1).index_copy_(0, local, torch.where(applied, value, stats[key]))
+    return u.masked_fill(~applied, 0.0)
+
+
+def sparse_step_pass(rule: Any, params: list[Tensor], grads: list[Tensor], momentum: Tensor,
+                     statistics: dict[str, Tensor], windows: Tensor | None, residual: Tensor | None,
+                     values: Tensor | None, entries: Tensor, applied: Tensor, step: Tensor, decay: list[Tensor | None],
+                     scale: list[Tensor], pieces: Sequence[Piece], beta1: float, beta2: float, eps: float) -> None:
+    """A replicated sparse step's optimizer half in one pass: the window sums read from ``p.grad``
+    (:func:`gather_pass`), the rule (:func:`masked_update_pass`), decay and update
+    (:func:`update_pass`), and what a skipped step exchanged (``values``) back into the residual."""
+    s = gather_pass(grads, entries, pieces)
+    u = masked_update_pass(rule, momentum, statistics, windows, entries, s, applied, step, beta1, beta2, eps)
+    update_pass(params, entries, u, decay, scale, pieces)
+    if residual is not None and values is not None:
+        residual.view(-1).index_add_(0, entries, values.masked_fill(applied, 0.0))
+
+
+def wire_send_pass(plan: WirePlan, values: Tensor) -> tuple[Tensor, Tensor]:
+    """An encoded wire's first stage: ``values`` (``(entries,)`` fp32) padded, cut into segments and
+    encoded; returns ``(bytes to send, (W, row_bytes); what the encoding rounded away, (entries,))``."""
+    segments = wire.pad(plan, values)
+    send = wire.encode(plan, segments)
+    return send, segments.sub_(wire.decode(plan, send)).view(-1)[:plan.entries]
+
+
+def wire_own_pass(plan: WirePlan, received: Tensor) -> tuple[Tensor, Tensor]:
+    """The owner's stage: the mean of every rank's copy of its segment, encoded; returns ``(encoded
+    mean, W times what that encoding rounded away)`` (the owner's residual keeps the latter)."""
+    mean = wire.owner_mean(plan, received)
+    own = wire.encode(plan, mean)
+    return own, mean.sub_(wire.decode(plan, own)).mul_(plan.world)
+
+
+def wire_decode_pass(plan: WirePlan, gathered: Tensor) -> Tensor:
+    """Every owner's encoded mean (``(W, row_bytes)``) decoded: the step's means, ``(entries,)``."""
+    return wire.decode(plan, gathered).view(-1)[:plan.entries]
+
+
+class Kernels:
+    """SCAPE's passes over every coordinate, eager or compiled (:data:`KERNELS`).
+
+    Example:
+        >>> kernels = Kernels("eager")
+        >>> plan = WirePlan("int8", entries=4, world=1, block=4)
+        >>> send, kept = kernels.wire_send(plan, torch.tensor([1.0, -2.0, 0.5, 0.0]))
+        >>> kernels.wire_decode(plan, send)             # 127 steps of max / 127
+        tensor([ 1.0079, -2.0000,  0.5039,  0.0000])
+        >>> kernels.compiled, kernels.built
+        (False, ())
+    """
+
+    def __init__(self, mode: str = "eager") -> None:
+        if mode not in KERNELS:
+            raise ValueError(f"kernels must be one of {KERNELS}, got {mode!r}")
+        self.mode = mode
+        self.compiled = mode == "compiled"
+        self._fns: dict[str, Callable] = {}
+        self._scalars: dict[tuple[str, torch.device], Tensor] = {}
+
+    @property
+    def built(self) -> tuple[str, ...]:
+        """The compiled passes that ran so far (each compiled at its first call), in that order."""
+        return tuple(dict.fromkeys(slot.split(":")[0] for slot in self._fns)) if self.compiled else ()
+
+    @property
+    def compile_seconds(self) -> dict[str, float]:
+        """Seconds the first calls of each compiled pass took (its compiles, or loads from inductor's
+        cache; summed over its copies: one per density, bucket structure or wire plan)."""
+        out: dict[str, float] = {}
+        for slot, f in self._fns.items():
+            if getattr(f, "first_call_seconds", None) is not None:
+                name = slot.split(":")[0]
+                out[name] = out.get(name, 0.0) + f.first_call_seconds
+        return out
+
+    def _fn(self, name: str, fn: Callable, key: Any = None) -> Callable:
+        """The pass ``name`` (one compiled copy per ``key``: what its baked-in constants depend on)."""
+        slot = name if key is None else f"{name}:{key}"
+        if slot not in self._fns:
+            self._fns[slot] = compile_kernel(fn, name) if self.compiled else fn
+        return self._fns[slot]
+
+    def scalar(self, key: str, value: float, device: torch.device, dtype: torch.dtype = torch.float64) -> Tensor:
+        """A 0-dim tensor holding ``value`` (one per key, refilled): a compiled pass reads it, not a constant."""
+        slot = self._scalars.get((key, device))
+        if slot is None:
+            slot = self._scalars[(key, device)] = torch.zeros((), dtype=dtype, device=device)
+        return slot.fill_(value)
+
+    # compiled only: their eager forms are the callers' own code (AdamS's foreach step, the
+    # selector's score, the hook's per-bucket staging and finish, the optimizer's bucket writes)
+    def adams(self, params: list[Tensor], grads: list[Tensor], momenta: list[Tensor], *, lr: float, beta1: float,
+              beta2: float, eps: float, weight_decay: float) -> None:
+        """One AdamS step, one fused loop per tensor (eager: :func:`scape_core.adams.adams_foreach`)."""
+        if params:
+            cpu = torch.device("cpu")
+            self._fn("AdamS", adams_pass)(params, grads, momenta, self.scalar("lr", lr, cpu),
+                                          self.scalar("decay", 1 - lr * weight_decay, cpu), beta1, beta2, eps)
+
+    def age_momentum(self, m: Tensor, synced_at: Tensor, target: int, out: Tensor) -> Tensor:
+        """``|m| (n - 1)`` into ``out`` in one pass (eager: :func:`scape_core.masks.age_momentum_score`)."""
+        before = self.scalar("before", target - 1, torch.device("cpu"), torch.float32)
+        return self._fn("score", age_momentum_pass)(m, synced_at, before, out)
+
+    def stage(self, buffers: list[Tensor], residual: Tensor | None, entries: Tensor,
+              pieces: Sequence[Piece]) -> tuple[Tensor, Tensor]:
+        """:func:`stage_pass`: the step's compact buffer and each bucket's verdict (compiled only)."""
+        return self._fn("stage", stage_pass, hash(pieces))(buffers, residual, entries, pieces)
+
+    def finish(self, buffers: list[Tensor], residuals: list[Tensor], grads: list[Tensor], owners: Sequence[int],
+               residual: Tensor | None, entries: Tensor, reduced: Tensor, kept: Tensor | None, finite: Tensor,
+               pieces: Sequence[Piece]) -> tuple[Tensor, Tensor]:
+        """:func:`finish_pass` (compiled only)."""
+        run = self._fn("finish", finish_pass, hash(pieces))
+        return run(buffers, residuals, grads, owners, residual, entries, reduced, kept, finite, pieces)
+
+    def gather(self, grads: list[Tensor], entries: Tensor, pieces: Sequence[Piece]) -> Tensor:
+        """The gradients at the mask's entries, read in place (compiled only)."""
+        return self._fn("gather", gather_pass, hash(pieces))(grads, entries, pieces)
+
+    def update(self, params: list[Tensor], entries: Tensor, u: Tensor, decay: list[Tensor | None],
+               scale: list[Tensor], pieces: Sequence[Piece]) -> None:
+        """Decay every coordinate and add ``scale * u`` at the entries (compiled only)."""
+        return self._fn("update", update_pass, hash(pieces))(params, entries, u, decay, scale, pieces)
+
+    def sparse_step(self, rule: Any, params: list[Tensor], grads: list[Tensor], momentum: Tensor,
+                    statistics: dict[str, Tensor], windows: Tensor | None, residual: Tensor | None,
+                    values: Tensor | None, entries: Tensor, applied: Tensor, step: int, decay: list[Tensor | None],
+                    scale: list[Tensor], pieces: Sequence[Piece], **hp: float) -> None:
+        """:func:`sparse_step_pass` (compiled only; replicated state, every parameter with a gradient)."""
+        at = self.scalar("step", step, entries.device, torch.float32)  # windows are fp32
+        run = self._fn("sparse_step", sparse_step_pass, hash(pieces))
+        run(rule, params, grads, momentum, statistics, windows, residual, values, entries, applied, at, decay, scale,
+            pieces, hp["beta1"], hp["beta2"], hp["eps"])
+
+    # both modes: the eager form is the same function, run as torch operators
+    def masked_update(self, rule: Any, momentum: Tensor, statistics: dict[str, Tensor], windows: Tensor | None,
+                      local: Tensor, s: Tensor, applied: Tensor, step: int, **hp: float) -> Tensor:
+        """:func:`masked_update_pass` (``step``: the one being applied)."""
+        at = self.scalar("step", step, local.device, torch.float32)  # windows are fp32
+        run = self._fn("masked_update", masked_update_pass, (local.numel(), applied.dim()))
+        return run(rule, momentum, statistics, windows, local, s, applied, at, hp["beta1"], hp["beta2"], hp["eps"])
+
+    def wire_send(self, plan: WirePlan, values: Tensor) -> tuple[Tensor, Tensor]:
+        """:func:`wire_send_pass`."""
+        return self._fn("wire", wire_send_pass, plan)(plan, values)
+
+    def wire_own(self, plan: WirePlan, received: Tensor) -> tuple[Tensor, Tensor]:
+        """:func:`wire_own_pass`."""
+        return self._fn("wire_own", wire_own_pass, plan)(plan, received)
+
+    def wire_decode(self, plan: WirePlan, gathered: Tensor) -> Tensor:
+        """:func:`wire_decode_pass`."""
+        return self._fn("wire_decode", wire_decode_pass, plan)(plan, gathered)
