@@ -331,9 +331,18 @@ def _sparse_step_traffic(args: tuple, kwargs: dict, out: Any) -> tuple[int, int]
     return gather + state + update_read + unapplied + small, state + update_written + unapplied
 
 
+def _finish_traffic(args: tuple, kwargs: dict, out: Any) -> tuple[int, int]:
+    buffers, residual, entries, reduced, kept, good, pieces = args  # buckets zeroed (written), entries touched
+    at = 0 if residual is None else entries.numel() * residual.element_size()
+    small = nbytes([entries, reduced, good] + ([kept] if kept is not None else []))
+    picked = sum((hi - lo) * buffers[j].element_size() for j, lo, hi, _ in pieces)
+    return small + nbytes(entries) + at, nbytes(buffers) + at + picked + nbytes(out)
+
+
 # the rest: their boundary (every tensor argument read, returned and mutated ones written)
 COMPILED_TRAFFIC = {"score": _score_traffic, "gather": _gather_traffic, "masked_update": _masked_update_traffic,
-                    "update": _update_traffic, "stage": _stage_traffic, "sparse_step": _sparse_step_traffic}
+                    "update": _update_traffic, "stage": _stage_traffic, "sparse_step": _sparse_step_traffic,
+                    "finish": _finish_traffic}
 
 
 def counted_kernels() -> None:

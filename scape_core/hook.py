@@ -65,16 +65,17 @@ def finish_step(state: ScapeState, record: StepRecord, reduced: Tensor, kept: Te
     bucket in one pass (:func:`scape_core.kernels.finish_pass`)."""
     try:
         if state.kernels.compiled:
-            residuals, grads, owners = [], [], []
-            if state.residual_buffer is not None:
-                for j, x in enumerate(record.exchanges):
-                    views = x.bucket.residuals(state.layout, state.residual_buffer)
-                    residuals += views
+            pieces, exchanges = record.staging.pieces, record.exchanges
+            ok, good = state.kernels.verdicts(reduced, pieces, len(exchanges))
+            if state.residual_buffer is not None:  # e_r += g_r where the bucket went through: eager (kernels.py)
+                residuals, grads = [], []
+                for j, x in enumerate(exchanges):
+                    x.buffer.masked_fill_(~(ok[j] & x.finite), 0.0)
+                    residuals += x.bucket.residuals(state.layout, state.residual_buffer)
                     grads += x.bucket.grads
-                    owners += [j] * len(views)
-            ok, record.values = state.kernels.finish(
-                [x.buffer for x in record.exchanges], residuals, grads, tuple(owners), state.residual_buffer,
-                record.entries, reduced, kept, torch.stack([x.finite for x in record.exchanges]), record.staging.pieces)
+                torch._foreach_add_(residuals, grads)
+            record.values = state.kernels.finish([x.buffer for x in exchanges], state.residual_buffer, record.entries,
+                                                 reduced, kept, good, pieces)
             record.finite.extend(ok.unbind())
         else:
             for x in record.exchanges:

@@ -96,28 +96,27 @@ def stage_pass(buffers: list[Tensor], residual: Tensor | None, entries: Tensor,
     return picked.masked_fill(~clean, float("nan")), finite
 
 
-def finish_pass(buffers: list[Tensor], residuals: list[Tensor], grads: list[Tensor], owners: Sequence[int],
-                residual: Tensor | None, entries: Tensor, reduced: Tensor, kept: Tensor | None, finite: Tensor,
-                pieces: Sequence[Piece]) -> tuple[Tensor, Tensor]:
-    """After the exchange, every bucket at once: a bucket whose ``reduced`` entries are all finite (on
-    every rank) and whose gradients were finite here adds its gradient to the residual, which keeps
-    ``kept`` (or 0) at the entries; every bucket then holds the mean on the mask, zeros elsewhere.
-    Returns each bucket's verdict and the means (fp32; 0 in a dropped bucket). As
-    :func:`scape_core.hook.finish_bucket`.
-
-    ``residuals`` and ``grads`` are each parameter's views (its bucket ``owners[i]``), passed in as
-    tensors: an in-place add into a slice of a buffer inside a compiled graph is functionalized
-    into a copy of the whole buffer per slice (measured: 2 s instead of 9 ms for 100 slices of 10M).
-    """
-    by_bucket: list[list[Tensor]] = [[] for _ in buffers]
+def verdict_pass(reduced: Tensor, pieces: Sequence[Piece], buckets: int) -> tuple[Tensor, Tensor]:
+    """Per bucket: whether its exchanged entries are all finite (on every rank); and that per entry."""
+    by_bucket: list[list[Tensor]] = [[] for _ in range(buckets)]
     for j, lo, hi, _ in pieces:
         by_bucket[j].append(torch.isfinite(reduced[lo:hi]).all())
     ok = torch.stack([torch.stack(v).all() for v in by_bucket])
-    good = torch.cat([ok[j].expand(hi - lo) for j, lo, hi, _ in pieces])
+    return ok, torch.cat([ok[j].expand(hi - lo) for j, lo, hi, _ in pieces])
+
+
+def finish_pass(buffers: list[Tensor], residual: Tensor | None, entries: Tensor, reduced: Tensor,
+                kept: Tensor | None, good: Tensor, pieces: Sequence[Piece]) -> Tensor:
+    """After the exchange and the residual's add of the gradients, every bucket at once: the residual
+    keeps ``kept`` (or 0) at the entries of buckets that went through (``good``, per entry); every
+    bucket holds the mean on the mask, zeros elsewhere. Returns the means (fp32; 0 in a dropped
+    bucket). As the end of :func:`scape_core.hook.finish_bucket`.
+
+    The residual's add itself stays an eager multi-tensor add: inside a compiled graph an add into
+    each parameter's slice of one buffer is functionalized into copies of the whole buffer
+    (measured at 10M parameters: 0.5-2 s a step instead of 20-35 ms; ``docs/benchmarks.md``).
+    """
     if residual is not None:
-        keep = ok & finite
-        for e, g, j in zip(residuals, grads, owners):  # e_r += g_r where the bucket went through
-            e.add_(torch.where(keep[j], g.float(), 0.0))
         flat = residual.view(-1)
         flat.index_copy_(0, entries, torch.where(good, 0.0 if kept is None else kept, flat.index_select(0, entries)))
     mean = torch.where(good, reduced, 0.0)
@@ -125,7 +124,7 @@ def finish_pass(buffers: list[Tensor], residuals: list[Tensor], grads: list[Tens
         b.zero_()
     for j, lo, hi, shift in pieces:
         buffers[j].index_copy_(0, entries[lo:hi] - shift, mean[lo:hi].to(buffers[j].dtype))
-    return ok, mean.float()
+    return mean.float()
 
 
 def gather_pass(grads: list[Tensor], entries: Tensor, pieces: Sequence[Piece]) -> Tensor:
@@ -273,12 +272,14 @@ class Kernels:
         """:func:`stage_pass`: the step's compact buffer and each bucket's verdict (compiled only)."""
         return self._fn("stage", stage_pass, hash(pieces))(buffers, residual, entries, pieces)
 
-    def finish(self, buffers: list[Tensor], residuals: list[Tensor], grads: list[Tensor], owners: Sequence[int],
-               residual: Tensor | None, entries: Tensor, reduced: Tensor, kept: Tensor | None, finite: Tensor,
-               pieces: Sequence[Piece]) -> tuple[Tensor, Tensor]:
+    def verdicts(self, reduced: Tensor, pieces: Sequence[Piece], buckets: int) -> tuple[Tensor, Tensor]:
+        """:func:`verdict_pass` (compiled only)."""
+        return self._fn("verdicts", verdict_pass, hash(pieces))(reduced, pieces, buckets)
+
+    def finish(self, buffers: list[Tensor], residual: Tensor | None, entries: Tensor, reduced: Tensor,
+               kept: Tensor | None, good: Tensor, pieces: Sequence[Piece]) -> Tensor:
         """:func:`finish_pass` (compiled only)."""
-        run = self._fn("finish", finish_pass, hash(pieces))
-        return run(buffers, residuals, grads, owners, residual, entries, reduced, kept, finite, pieces)
+        return self._fn("finish", finish_pass, hash(pieces))(buffers, residual, entries, reduced, kept, good, pieces)
 
     def gather(self, grads: list[Tensor], entries: Tensor, pieces: Sequence[Piece]) -> Tensor:
         """The gradients at the mask's entries, read in place (compiled only)."""

@@ -115,7 +115,7 @@ def runs() -> list[dict]:
 
 def test_compiled_cases_ran_the_compiled_passes(runs):
     for case in COMPILED:
-        hook = {"AdamS", "score", "stage", "finish"}
+        hook = {"AdamS", "score", "stage", "verdicts", "finish"}
         want = hook | ({"gather", "masked_update", "update"} if "sharded" in case else {"sparse_step"})
         if case == "dense":
             want = {"AdamS"}
