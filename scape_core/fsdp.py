@@ -42,6 +42,7 @@ from scape_core import wire
 from scape_core.adams import MOMENTUM, AdamS, adams_foreach, adams_reference, check_grad
 from scape_core.compat import all_gather_into_tensor
 from scape_core.config import ScapeConfig
+from scape_core.kernels import masked_update_pass
 from scape_core.layout import FlatLayout, gather_spans, scatter_spans
 from scape_core.masks import Mask
 from scape_core.model import parameter_names
@@ -501,22 +502,11 @@ class ScapeFSDPAdamS(AdamS):
             scape.residual_buffer.view(-1).index_add_(0, entries, record.values.masked_fill(applied, 0.0))
 
     def _masked_update(self, entries: Tensor, s: Tensor, applied: Tensor, hp: dict[str, float]) -> Tensor:
-        """The rule on every entry (as ``ScapeAdamS``'s); returns ``u`` (0 where not applied)."""
-        windows, step = self.scape.window_buffer, self.scape.step
-        n = torch.ones_like(s)
-        if windows is not None:
-            flat = windows.view(-1)
-            last = flat.index_select(0, entries)
-            flat.index_copy_(0, entries, torch.where(applied, step, last))
-            n = last.neg_().add_(step)
-        m_flat = self.momentum_buffer.view(-1)
-        m = m_flat.index_select(0, entries)
-        stats = {k: b.view(-1).index_select(0, entries) for k, b in self.statistics.items()}
-        u, m_new, stats_new = self.rule.update(s, n, m, stats, **hp)
-        m_flat.index_copy_(0, entries, torch.where(applied, m_new, m))
-        for key, value in stats_new.items():
-            self.statistics[key].view(-1).index_copy_(0, entries, torch.where(applied, value, stats[key]))
-        return u.masked_fill_(~applied, 0.0)
+        """The rule on every entry (``ScapeAdamS``'s pass, :func:`scape_core.kernels.masked_update_pass`);
+        returns ``u`` (0 where not applied)."""
+        step = torch.tensor(float(self.scape.step), device=entries.device)  # windows are fp32
+        return masked_update_pass(self.rule, self.momentum_buffer, self.statistics, self.scape.window_buffer,
+                                  entries, s, applied, step, hp["beta1"], hp["beta2"], hp["eps"])
 
 
 def fsdp_rank_state(optimizer: ScapeFSDPAdamS) -> dict[str, Any]:
