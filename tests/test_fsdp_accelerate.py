@@ -10,6 +10,7 @@ mesh, where FSDP2 all-reduces across replicas itself before any all-reduce hook 
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.utils.data import DataLoader
 
@@ -56,6 +57,7 @@ def _accelerate(rank: int, world: int) -> dict:
                 plugin_type=str(plugin.distributed_type), prepared=failure(lambda: plugin.prepare(other, other_opt)))
 
 
+@pytest.mark.slow  # 30 s; the FSDP2 core and Lightning paths stay in the default suite
 def test_accelerate_runs_the_loop_around_scape_fsdp_and_its_fsdp2_plugin_does_not_apply_on_cpu():
     for out in run_distributed(_accelerate, world_size=4):
         assert out["steps"] == 10 and out["compression"] > 2 and out["equal"], out

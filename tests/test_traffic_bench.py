@@ -126,6 +126,7 @@ def test_tiny_run_adds_the_known_optimizer_passes_and_a_sparse_step(tmp_path):
     assert any(site.startswith("hook.finish_bucket: ") for site in scape["by_site"])  # gloo's callback, inline
 
 
+@pytest.mark.slow  # compiles 4 passes in a fresh process (~1-2 min); the arithmetic tests run the compiled path
 def test_compiled_kernels_cut_the_passes_and_the_operators(tmp_path):
     out = tmp_path / "t.json"
     subprocess.run([sys.executable, str(BENCH / "traffic_bench.py"), "--methods",
