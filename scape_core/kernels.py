@@ -6,14 +6,15 @@ updated; a dense AdamS step reads the parameters, gradients and ``m``. Eager, ea
 several operators, each one pass over memory (``benchmarks/traffic_bench.py`` counts them).
 ``ScapeConfig(kernels="compiled")`` runs them as ``torch.compile``'d pure functions of the flat
 buffers instead: inductor fuses each into one loop per tensor (C++ on the CPU, Triton on CUDA),
-so each coordinate is read and written once per pass.
+so each coordinate is read and written once per pass. One exception: the residual's add of the
+gradients stays an eager multi-tensor add (see :func:`finish_pass`).
 
-:class:`Kernels` holds the four passes in the mode chosen; the eager ones are the code the
-tests compare the compiled ones against. Compiled functions take lists of tensors and 0-dim
-tensors for every value that changes between steps (the learning rate, the step), so a run
-compiles each pass once per shape (once per mask density for the sparse update), not per step.
+:class:`Kernels` holds the compiled passes; the eager code they replace is the reference the
+tests compare them against. Compiled functions take lists of tensors and 0-dim tensors for every
+value that changes between steps (the learning rate, the step), so a run compiles each pass
+once per shape (once per mask density and bucket structure for the sparse passes), not per step.
 
-What it costs: the first call of each pass compiles it (seconds on a CPU; see
+What it costs: the first call of each pass compiles it (seconds to minutes on a CPU; see
 ``docs/benchmarks.md``), once per process; inductor caches the generated code on disk, so a
 second run of the same model compiles faster. Where no compiler works (no C++ compiler, no
 Triton) the first call raises, naming ``kernels="eager"`` as the fix: nothing falls back silently.
