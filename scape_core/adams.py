@@ -124,6 +124,12 @@ class AdamS(torch.optim.Optimizer):
                     p = params[index]
                     self.state[p][key] = value.to(device=p.device, dtype=torch.float32, copy=True)
 
+    def step_function(self, group: dict[str, Any]) -> Callable[..., None]:
+        """The AdamS step for ``group``: the reference (``foreach=False``), foreach, or the compiled pass."""
+        if group["foreach"] is False:
+            return adams_reference
+        return self.kernels.adams if self.kernels.compiled else adams_foreach
+
     def momentum(self, p: Tensor) -> Tensor:
         """The fp32 momentum buffer of ``p``, created (zeros) on first use."""
         state = self.state[p]
@@ -153,8 +159,7 @@ class AdamS(torch.optim.Optimizer):
                 loss = closure()
         for group in self.param_groups:
             params, grads, momenta = self._grads(group)
-            run = adams_reference if group["foreach"] is False else (
-                self.kernels.adams if self.kernels.compiled else adams_foreach)
+            run = self.step_function(group)
             beta1, beta2 = group["betas"]
             run(params, grads, momenta, lr=group["lr"], beta1=beta1, beta2=beta2,
                 eps=group["eps"], weight_decay=group["weight_decay"])

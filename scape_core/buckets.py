@@ -138,8 +138,6 @@ class Staging:
         if covered != shape.entries:  # every synchronized parameter is in exactly one bucket
             raise RuntimeError(f"the buckets hold {covered} of the mask's {shape.entries} entries")
         self.pieces = tuple((j, lo, hi, shift) for lo, j, hi, shift in pieces)
-        self.buckets = len(plans)
-        self.entries = shape.entries
 
 
 @dataclass

@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from scape_core import wire
-from scape_core.adams import MOMENTUM, AdamS, adams_foreach, adams_reference, check_grad
+from scape_core.adams import MOMENTUM, AdamS, check_grad
 from scape_core.compat import all_gather_into_tensor
 from scape_core.config import ScapeConfig
 from scape_core.kernels import masked_update_pass
@@ -457,7 +457,7 @@ class ScapeFSDPAdamS(AdamS):
             return
         for group, params in groups:
             beta1, beta2 = group["betas"]
-            run = adams_reference if group["foreach"] is False else adams_foreach
+            run = self.step_function(group)
             run([p._local_tensor for p in params], [p.grad._local_tensor for p in params],
                 [self.state[p][MOMENTUM] for p in params], lr=group["lr"], beta1=beta1, beta2=beta2,
                 eps=group["eps"], weight_decay=group["weight_decay"])

@@ -235,6 +235,7 @@ class MaskShape:
         for c in counts:
             self._offsets.append(self._offsets[-1] + c)
         self._ranges: dict[tuple[str, ...], _Ranges] = {}
+        self._pieces: dict[tuple[str, ...], tuple[tuple[int, int, int, int], ...]] = {}
 
     def ranges(self, names: tuple[str, ...]) -> list[tuple[int, int]]:
         """The entry ranges of the parameters ``names`` (e.g. one DDP bucket's), merged."""
@@ -266,12 +267,15 @@ class MaskShape:
             >>> layout.mask_shape(0.25).pieces(["w", "b"])            # k = 2; the short rows pick 1 each
             ((0, 0, 5, 0), (1, 5, 6, 24))
         """
-        found = []
-        for i, name in enumerate(names):
-            start = self._layout.first_row[name] * self._layout.chunk
-            for lo, hi in self.ranges((name,)):
-                found.append((lo, i, hi, start))
-        return tuple((i, lo, hi, start) for lo, i, hi, start in sorted(found))
+        key = tuple(names)
+        if key not in self._pieces:  # once per set of parameters: a sparse step asks every time
+            found = []
+            for i, name in enumerate(names):
+                start = self._layout.first_row[name] * self._layout.chunk
+                for lo, hi in self.ranges((name,)):
+                    found.append((lo, i, hi, start))
+            self._pieces[key] = tuple((i, lo, hi, start) for lo, i, hi, start in sorted(found))
+        return self._pieces[key]
 
     def rows_spans(self, start: int, stop: int) -> list[tuple[int, int]]:
         """The entry ranges of rows ``[start, stop)`` (e.g. a shard's): its full rows' entries, then its shorter rows'.

@@ -7,7 +7,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import Tensor
 
-from scape_core.adams import MOMENTUM, AdamS, adams_foreach, adams_reference, check_grad
+from scape_core.adams import MOMENTUM, AdamS, check_grad
 from scape_core.checkpoint import ARRIVAL_TIMEOUT, every_rank_arrives
 from scape_core.masks import Mask
 from scape_core.state import ScapeState
@@ -215,8 +215,7 @@ class ScapeAdamS(AdamS):
         shard = self.scape.shard
         for group, params in groups:
             beta1, beta2 = group["betas"]
-            run = adams_reference if group["foreach"] is False else (
-                self.kernels.adams if self.kernels.compiled else adams_foreach)
+            run = self.step_function(group)
             if not shard.whole:
                 params = [p for p in params if self.state[p][MOMENTUM].numel()]  # with coordinates here
             names = [self._names[p] for p in params]
