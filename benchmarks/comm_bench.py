@@ -67,7 +67,8 @@ from benchmarks.bench_common import (
 
 ROOT = Path(__file__).resolve().parent.parent
 METHODS = ("no-comm + AdamS", "DDP + AdamW", "DDP + AdamS", "PowerSGD r4 + AdamW", "SCAPE 90%", "SCAPE 99%",
-           "SCAPE 99% sharded", "no-comm + AdamS compiled", "SCAPE 90% compiled", "SCAPE 99% compiled")
+           "SCAPE 99% native", "SCAPE 99% sharded",
+           "no-comm + AdamS compiled", "SCAPE 90% compiled", "SCAPE 99% compiled")
 COMPILED = " compiled"  # a method name's suffix: ScapeConfig(kernels="compiled") / AdamS(kernels="compiled")
 DENSE = "DDP + AdamW"
 BOUND = "no-comm + AdamS"
@@ -153,8 +154,10 @@ def build(name: str, base: nn.Module, warmup_steps: int) -> Method:
         ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
         return Method(name, ddp, torch.optim.AdamW(ddp.parameters(), **hp))
     sparsity = float(name.split()[1].rstrip("%")) / 100
-    sharded = {"shard_optimizer": True} if name.endswith("sharded") else {}
-    state = ScapeState(ddp, sparsity=sparsity, **scape_fields(warmup_steps), **sharded, kernels=kernels)
+    options = {"shard_optimizer": True} if name.endswith("sharded") else {}
+    if " native" in name:  # fp32 values on the wire instead of the default int4 at 99%
+        options["wire"] = "native"
+    state = ScapeState(ddp, sparsity=sparsity, **scape_fields(warmup_steps), **options, kernels=kernels)
     ddp.register_comm_hook(state, scape_hook)
     return Method(name, ddp, ScapeAdamS(ddp.parameters(), state, **hp), scape=state)
 

@@ -36,7 +36,8 @@ from benchmarks.bench_common import batches, core_version, count_params, end_ran
 
 ROOT = Path(__file__).resolve().parent.parent
 METHODS = ("AdamW", "AdamS", "ZeRO + AdamW", "SCAPE 99%", "SCAPE 99% sharded")
-STEPS = 4  # SCAPE: 1 dense, 3 sparse (the last 2 counted for bytes)
+STEPS = 6  # SCAPE: 1 dense, the ramp's 3 stages (25%, 6.25%, 1.6%: a step each), 2 at 1% (counted for bytes)
+RAMP_STEPS = 3
 
 
 def held_storages(roots: Iterable[Any], exclude: set[int]) -> dict[int, int]:
@@ -83,15 +84,23 @@ def build(name: str, base: nn.Module) -> tuple[nn.Module, torch.optim.Optimizer,
     if name == "ZeRO + AdamW":
         return ddp, ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.AdamW, **hp), None
     # wire="native" in both modes (what "auto" is when sharded): the same masks and bytes to compare
-    state = ScapeState(ddp, sparsity=0.99, warmup_steps=1, ramp_steps=0, wire="native",
+    state = ScapeState(ddp, sparsity=0.99, warmup_steps=1, ramp_steps=RAMP_STEPS, wire="native",
                        shard_optimizer=name.endswith("sharded"))
     ddp.register_comm_hook(state, scape_hook)
     return ddp, ScapeAdamS(ddp.parameters(), state, **hp), state
 
 
+def held_now(ddp: nn.Module, opt: torch.optim.Optimizer, state: Any) -> dict[int, int]:
+    """What the optimizer and SCAPE's state hold now (parameters, gradients and DDP's buckets aside)."""
+    exclude = {ptr for p in ddp.module.parameters() for ptr in storage_of(p) + storage_of(p.grad)}
+    if state is not None:
+        exclude |= {ptr for v in state.buckets.views.values() for ptr in storage_of(v)}  # DDP's buckets
+    return held_storages([opt, state], exclude)
+
+
 def measure(name: str, base: nn.Module, data: Any) -> dict[str, Any]:
     ddp, opt, state = build(name, base)
-    counted = []
+    counted, peak = [], 0
     for step in range(STEPS):
         if step in (1, STEPS - 2) and state is not None:  # after the dense step; before the last 2 sparse ones
             counted.append(dict(state.counters))
@@ -99,14 +108,12 @@ def measure(name: str, base: nn.Module, data: Any) -> dict[str, Any]:
         ddp(x, y).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    params = list(ddp.module.parameters())
-    exclude = {ptr for p in params for ptr in storage_of(p) + storage_of(p.grad)}
+        peak = max(peak, sum(held_now(ddp, opt, state).values()))  # between steps (the ramp's denser masks)
     if state is not None:
         state.wait()
-        exclude |= {ptr for v in state.buckets.views.values() for ptr in storage_of(v)}  # DDP's buckets
-    held = held_storages([opt, state], exclude)
+    held = held_now(ddp, opt, state)
     n = count_params(ddp.module)
-    row: dict[str, Any] = {"params": n, "total": sum(held.values()) / n}
+    row: dict[str, Any] = {"params": n, "total": sum(held.values()) / n, "peak": peak / n}
     if state is not None:
         named = {"m": opt.momentum_buffer, **opt.statistics, "windows": state.window_buffer,
                  "residual": state.residual_buffer, "score workspace": state.selector.scratch}
@@ -116,7 +123,7 @@ def measure(name: str, base: nn.Module, data: Any) -> dict[str, Any]:
         row["state"] = row["total"] - row["score workspace"]
         row["bytes_dense_step"] = {k: counted[0][k] for k in ("bytes_sent", "shard_bytes", "mask_bytes", "dense_bytes")}
         after, before = state.counters, counted[1]
-        sparse_steps = STEPS - 2
+        sparse_steps = 2
         per_step = {k: (after[k] - before[k]) / sparse_steps for k in ("bytes_sent", "mask_bytes", "shard_bytes",
                                                                       "dense_bytes")}
         per_step["all_reduce"] = per_step["bytes_sent"] - per_step["mask_bytes"] - per_step["shard_bytes"]
@@ -144,7 +151,7 @@ def worker(args: argparse.Namespace) -> None:
 def table(results: dict[str, Any]) -> str:
     """Markdown: bytes per parameter per rank (the largest over ranks) per method and world size."""
     worlds = sorted(results, key=int)
-    keys = ("m", "sq", "windows", "residual", "other", "score workspace")
+    keys = ("m", "sq", "windows", "residual", "other", "score workspace", "total", "peak")
     lines = ["| method | W | state B/param (max over ranks) | target | " + " | ".join(keys) + " |",
              "|---|---|---|---|" + "---|" * len(keys)]
     for name in METHODS:

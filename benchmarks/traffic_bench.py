@@ -407,6 +407,9 @@ def build(method: str, base: nn.Module,
     sparsity = 0.99 if "99%" in method else 0.9
     wire = {"wire": "native"} if " native" in method else {}
     state = ScapeState(ddp, sparsity=sparsity, warmup_steps=2, ramp_steps=0, kernels=kernels, **wire)
+    # count a GPU's selection: the whole layout in one pass (the CPU's blocks of rows move the same bytes
+    # in more operators; tests/test_masks.py checks that both choose the same masks)
+    state.selector.block_rows = state.layout.rows
     ddp.register_comm_hook(state, scape_hook)
     return ddp, ScapeAdamS(ddp.parameters(), state, **hp), state
 

@@ -266,7 +266,7 @@ class Kernels:
     def age_momentum(self, m: Tensor, synced_at: Tensor, target: int, out: Tensor) -> Tensor:
         """``|m| (n - 1)`` into ``out`` in one pass (eager: :func:`scape_core.masks.age_momentum_score`)."""
         before = self.scalar("before", target - 1, torch.device("cpu"), torch.float32)
-        return self._fn("score", age_momentum_pass)(m, synced_at, before, out)
+        return self._fn("score", age_momentum_pass, tuple(m.shape))(m, synced_at, before, out)  # the CPU's blocks
 
     def stage(self, buffers: list[Tensor], residual: Tensor | None, entries: Tensor,
               pieces: Sequence[Piece]) -> tuple[Tensor, Tensor]:

@@ -47,6 +47,19 @@ class MaskSchedule:
         """Every density a mask of this schedule can have."""
         return () if self.dense else self.ramp_densities + (self.density,)
 
+    def densities_from(self, step: int) -> tuple[float, ...]:
+        """The densities the masks of ``step`` and every later step can have (the ramp's past stages dropped).
+
+        Example:
+            >>> s = MaskSchedule(sparsity=0.99, warmup_steps=10, ramp_steps=30)
+            >>> s.densities_from(0), s.densities_from(30), s.densities_from(40)
+            ((0.25, 0.0625, 0.015625, 0.010000000000000009), (0.015625, 0.010000000000000009), (0.010000000000000009,))
+        """
+        if self.dense:
+            return ()
+        past = max(0, (step - self.warmup_steps) * 3 // self.ramp_steps) if self.ramp_steps else 0
+        return self.ramp_densities[past:] + (self.density,)
+
     @property
     def dense(self) -> bool:
         """Every step is dense (``sparsity == 0``)."""

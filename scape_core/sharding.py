@@ -66,6 +66,10 @@ class ShardExchange:
             self._plans[density] = ShardPlan(self.layout, density, self.rank, self.world_size)
         return self._plans[density]
 
+    def keep_plans(self, densities: tuple[float, ...]) -> None:
+        """Drop the plans of other densities (the ramp's past stages: at 25% density a plan is 1.5 B/param at W = 2)."""
+        self._plans = {d: plan for d, plan in self._plans.items() if d in densities}
+
     def own_entries(self, mask: Mask) -> tuple[Tensor | None, Tensor]:
         """The mask's entries whose optimizer state this rank keeps: ``(their positions among the
         mask's entries, or None for all of them; their flat indices into the shard's buffers)``."""

@@ -229,6 +229,8 @@ class ScapeState:
         done, self.step = self.step, self.step + 1
         self.counters["steps"] += 1
         self.selector.after_step(done, momentum, self.residual_buffer, self.window_buffer, beta1)
+        if self.sharded and self.schedule.ramp_densities:
+            self.shards.keep_plans(self.schedule.densities_from(self.step))
         if self.step % STREAK_CHECK_EVERY == 0:
             self.streak.poll()
 

@@ -104,7 +104,8 @@ def _record(rank: int, world: int, cases: dict) -> dict:
             opt.zero_grad()
             records.append(dict(before=before, grads=dict(local), mask=used, groups=groups, compact=compact,
                                 lr=lr_at(t), synced=synced, after=probe.snapshot(state, opt)))
-        out[case] = dict(records=records, skipped=state.stats()["skipped_steps"], kernels=state.kernels.built)
+        out[case] = dict(records=records, skipped=state.stats()["skipped_steps"], kernels=state.kernels.built,
+                         plans=sorted(state.shards._plans))
     return out
 
 
@@ -211,6 +212,14 @@ def test_ramp_densities_follow_the_contract(runs):
             assert sum(i.numel() for i in recs[0]["mask"].values()) == want, f"step {t}"
             seen.append(round(want / numel, 3))
     assert seen[:3] == [seen[0]] * 3 and seen[0] > seen[3] > seen[6] > seen[9]  # 25%, 6.25%, 1.6%, then 1%
+
+
+def test_shard_plans_of_the_ramps_past_densities_are_dropped(runs):
+    cfg = ScapeConfig(**CASES["linear99_ramp_sharded"]["config"])
+    assert len(cfg.schedule.densities()) == 4 and CASES["linear99_ramp_sharded"]["steps"] > 2 + 9  # past the ramp
+    for r in runs:
+        assert r["linear99_ramp_sharded"]["plans"] == [cfg.schedule.density]  # 25%, 6.25%, 1.6% built, then dropped
+        assert r["linear99_ramp"]["plans"] == []  # replicated: no shard plans
 
 
 @pytest.mark.parametrize("case", ["skips", "skips_sharded", "skips_compiled"])

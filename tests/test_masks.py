@@ -10,6 +10,7 @@ from scape_core.masks import Mask, select, strided
 densities = st.sampled_from([1e-6, 0.001, 0.01, 0.1, 0.25, 0.5, 0.999999])
 sizes = st.lists(st.integers(1, 300), min_size=1, max_size=5)
 chunks = st.sampled_from([16, 32, 64, 128])
+SCORES = ["age_momentum", "momentum", "momentum_residual"]
 
 
 def layout_of(numels: list[int], chunk: int) -> FlatLayout:
@@ -95,3 +96,38 @@ def test_bucket_ranges_cover_each_parameters_entries_once(numels, chunk, density
             covered[lo:hi] += 1
     assert torch.all(covered == 1)
     assert shape.ranges(names) == ([(0, shape.entries)] if shape.entries else [])
+
+
+
+@settings(max_examples=25, deadline=None)
+@given(sizes, chunks, st.sampled_from([0.05, 0.25, 0.5]), st.integers(1, 5), st.sampled_from(SCORES),
+       st.integers(0, 2 ** 16))
+def test_selection_in_the_cpus_blocks_of_rows_equals_one_pass(numels, chunk, density, block_rows, kind, seed):
+    """The CPU scores and selects a block of rows at a time (a bounded scratch): the same columns as
+    one pass, with the mask being flushed excluded, short rows, and for a partition of the rows."""
+    import scape_core.selection as selection
+    from scape_core.config import ScapeConfig
+
+    layout = layout_of(numels + [2 * chunk + 3], chunk)  # at least 3 rows, one of them short
+    config = ScapeConfig(sparsity=1 - density, warmup_steps=2, ramp_steps=0, wire="native", score=kind)
+    shape = layout.mask_shape(density)
+    g = torch.Generator().manual_seed(seed)
+    m = torch.randn(layout.rows, chunk, generator=g).round_(decimals=1)  # ties, resolved alike in both
+    residual = torch.randn(layout.rows, chunk, generator=g)
+    windows = torch.randint(0, 6, (layout.rows, chunk), generator=g).float()
+    flushed = Mask(density, select(torch.rand(layout.rows, chunk, generator=g), layout, shape))
+    whole = selection.MaskSelector(layout, config)
+    original = selection.CPU_SCORE_VALUES
+    try:
+        selection.CPU_SCORE_VALUES = block_rows * chunk
+        blocked = selection.MaskSelector(layout, config)
+    finally:
+        selection.CPU_SCORE_VALUES = original
+    assert len(blocked.blocks(slice(0, layout.rows))) == -(-layout.rows // block_rows)
+    every = slice(0, layout.rows)
+    one_pass = whole.pick(every, shape, flushed, m, residual, windows, target=7, beta1=0.9)
+    assert torch.equal(blocked.pick(every, shape, flushed, m, residual, windows, target=7, beta1=0.9), one_pass)
+    part = slice(1, layout.rows)  # a partition's rows: the buffers hold those rows only
+    assert torch.equal(blocked.pick(part, shape, flushed, m[part], residual[part], windows[part], 7, 0.9),
+                       one_pass[part])
+    assert blocked.scratch is None or blocked.scratch.shape[0] <= block_rows
