@@ -65,7 +65,8 @@ class MaskSelector:
     With a replicated score and replicated state every rank selects the whole mask itself and
     nothing is exchanged. Otherwise (a score that reads the residual, or sharded state) rank r
     selects the rows of its partition and one asynchronous all-gather of the int16 columns,
-    waited for one step later, makes the mask common.
+    waited for one step later, makes the mask common. On the CPU the rows are scored and selected
+    in blocks of ``CPU_SCORE_VALUES`` values (a bounded score buffer; the same masks).
 
     Example:
         >>> layout = FlatLayout({"w": torch.zeros(4, 8)}, chunk=8)

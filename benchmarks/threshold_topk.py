@@ -1,0 +1,84 @@
+"""A negative result, kept runnable: an exact per-row top-k through a sampled threshold, on the CPU.
+
+Issue 20 asked for a cheaper exact selection where ``torch.topk`` is slow. The route tried here:
+take a fixed sample of each row's columns, its ``j``-th largest key as a threshold ``t`` (``j``
+chosen so that ``t`` is below the row's true k-th key with high probability), keep the keys
+``>= t`` as candidates, compact them into a fixed ``(rows, cap)`` buffer, and take the top-k of
+that; rows whose candidates are fewer than ``k`` or more than ``cap`` fall back to a full top-k.
+It chooses the same values as ``torch.topk`` (checked below), but on this CPU it is several times
+slower: the compaction (``masked_select``, a boolean ``sum``) costs more than the whole top-k it
+avoids. On CUDA, ``torch.topk`` already is a per-row radix select over the keys' bits.
+
+    python benchmarks/threshold_topk.py                 # 25M scores, k = 41 and 308 (~1 minute)
+    python benchmarks/threshold_topk.py --rows 500      # quicker
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from typing import Callable
+
+import torch
+from torch import Tensor
+
+
+def threshold_topk(keys: Tensor, k: int, samples: int = 512) -> tuple[Tensor, int]:
+    """Columns of a top-k of every row of int32 ``keys`` (unsorted), and how many rows fell back."""
+    rows, n = keys.shape
+    mu = k * samples / n  # expected sampled keys above the row's k-th
+    j = min(samples, math.ceil(mu + 3 * math.sqrt(mu)) + 1)
+    cap = min(n, 2 * math.ceil(j * n / samples))
+    columns = torch.randperm(n, generator=torch.Generator().manual_seed(0))[:samples].sort().values
+    t = keys.index_select(1, columns).topk(j, dim=1, sorted=False).values.amin(1, keepdim=True)
+    candidate = keys >= t
+    counts = candidate.sum(1)
+    values = keys.masked_select(candidate)
+    cols = torch.arange(n, dtype=torch.int16).masked_select(candidate)
+    row_of = torch.repeat_interleave(counts)
+    pos = torch.arange(values.numel()) - (counts.cumsum(0) - counts).index_select(0, row_of)
+    keep = pos < cap
+    at = (row_of * cap + pos)[keep]
+    buf = torch.full((rows, cap), torch.iinfo(torch.int32).min, dtype=torch.int32)
+    colbuf = torch.zeros((rows, cap), dtype=torch.int16)
+    buf.view(-1)[at] = values[keep]
+    colbuf.view(-1)[at] = cols[keep]
+    out = colbuf.gather(1, buf.topk(k, dim=1, sorted=False).indices).long()
+    bad = ((counts < k) | (counts > cap)).nonzero().view(-1)
+    if bad.numel():
+        out[bad] = keys.index_select(0, bad).topk(k, dim=1, sorted=False).indices
+    return out, bad.numel()
+
+
+def median_ms(fn: Callable[[], object], repeats: int = 5) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return 1e3 * sorted(times)[repeats // 2]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rows", type=int, default=6200, help="rows of 4096 scores (6200: a 25M model)")
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    scores = torch.randn(args.rows, 4096, generator=torch.Generator().manual_seed(1)).abs()
+    keys = scores.view(torch.int32)  # non-negative fp32 scores order as their int32 bits
+    for k in (41, 308):  # 1% (native wire at 99%) and 7.5% (int4 at 99%) of 4096
+        full = keys.topk(k, dim=1, sorted=False).indices
+        mine, fell_back = threshold_topk(keys, k)
+        same = torch.equal(keys.gather(1, full).sort(1).values, keys.gather(1, mine).sort(1).values)
+        print(f"k = {k}: torch.topk {median_ms(lambda: keys.topk(k, dim=1, sorted=False)):.0f} ms, "
+              f"threshold {median_ms(lambda: threshold_topk(keys, k)):.0f} ms "
+              f"({fell_back} of {args.rows} rows fell back; same values: {same})")
+    candidate = keys >= keys[:, :1]
+    for name, fn in (("keys >= t", lambda: keys >= keys[:, :1]), ("bool sum(1)", lambda: candidate.sum(1)),
+                     ("masked_select", lambda: keys.masked_select(candidate))):
+        print(f"  {name}: {median_ms(fn, 3):.0f} ms")
+
+
+if __name__ == "__main__":
+    main()
