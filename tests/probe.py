@@ -117,6 +117,11 @@ def wire_segments(state: ScapeState) -> list[Compact]:
     return out
 
 
+def shard_plans(state: ScapeState) -> list[float]:
+    """The densities whose shard plans the sharded mode holds now (none when replicated)."""
+    return sorted(state.shards._plans)
+
+
 def _owner(state: ScapeState, row: int) -> int:
     """The rank whose block of rows holds ``row`` (it scores it from its residual, or its shard of m)."""
     return row // state.layout.block(state.world_size)

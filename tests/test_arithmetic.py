@@ -105,7 +105,7 @@ def _record(rank: int, world: int, cases: dict) -> dict:
             records.append(dict(before=before, grads=dict(local), mask=used, groups=groups, compact=compact,
                                 lr=lr_at(t), synced=synced, after=probe.snapshot(state, opt)))
         out[case] = dict(records=records, skipped=state.stats()["skipped_steps"], kernels=state.kernels.built,
-                         plans=sorted(state.shards._plans))
+                         plans=probe.shard_plans(state))
     return out
 
 
