@@ -157,7 +157,7 @@ def _restore(state: "ScapeState", saved: dict[str, Any], residual: dict[str, Ten
     state.counters.update(counters)
 
 
-def save_checkpoint(path: str | os.PathLike, state: "ScapeState", *, arrival_timeout: float = ARRIVAL_TIMEOUT,
+def save_checkpoint(path: str | os.PathLike, state: "ScapeState", *, arrival_timeout: float | None = None,
                     **objects: Any) -> None:
     """Write one checkpoint from rank 0 (collective: call on every rank).
 
@@ -167,8 +167,9 @@ def save_checkpoint(path: str | os.PathLike, state: "ScapeState", *, arrival_tim
     The file is written to a temporary name and renamed, so a crash mid-write never leaves a
     truncated checkpoint under ``path``. Every rank's residual goes into the file, so
     every rank must call it: a rank that does not see all the others arrive within
-    ``arrival_timeout`` seconds raises ``RuntimeError`` (the usual cause: saving under
-    ``if rank == 0:``) instead of waiting for the process-group timeout.
+    ``arrival_timeout`` seconds (default: ``scape_core.checkpoint.ARRIVAL_TIMEOUT``, 30) raises
+    ``RuntimeError`` (the usual cause: saving under ``if rank == 0:``) instead of waiting for the
+    process-group timeout.
 
     Example:
         >>> import tempfile
@@ -179,7 +180,8 @@ def save_checkpoint(path: str | os.PathLike, state: "ScapeState", *, arrival_tim
         >>> sorted(load_checkpoint(path, state, model=ddp.module))
         ['model', 'scape', 'step']
     """
-    every_rank_arrives("save_checkpoint", state.process_group, arrival_timeout)
+    every_rank_arrives("save_checkpoint", state.process_group, ARRIVAL_TIMEOUT if arrival_timeout is None
+                       else arrival_timeout)
     full = gather_state_dict(state)
     for obj in objects.values():  # a sharded optimizer (ScapeAdamS, torch's ZeroRedundancyOptimizer) gathers first
         if hasattr(obj, "consolidate_state_dict"):

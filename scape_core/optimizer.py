@@ -7,8 +7,9 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import Tensor
 
+from scape_core import checkpoint
 from scape_core.adams import MOMENTUM, AdamS, check_grad
-from scape_core.checkpoint import ARRIVAL_TIMEOUT, every_rank_arrives
+from scape_core.checkpoint import every_rank_arrives
 from scape_core.masks import Mask
 from scape_core.state import ScapeState
 from scape_core.update_rules import UPDATE_RULES
@@ -154,7 +155,7 @@ class ScapeAdamS(AdamS):
 
     def _gathered_state_dict(self) -> dict[str, Any]:
         scape = self.scape
-        every_rank_arrives("ScapeAdamS.state_dict", scape.process_group, ARRIVAL_TIMEOUT,
+        every_rank_arrives("ScapeAdamS.state_dict", scape.process_group, checkpoint.ARRIVAL_TIMEOUT,  # read now
                            hint="a sharded optimizer gathers its state from every rank: call state_dict() on every "
                                 "rank, or consolidate_state_dict(to=0) on every rank and then state_dict() on rank 0")
         whole = {key: scape.shards.unshard(buffer) for key, buffer in {MOMENTUM: self.momentum_buffer,
