@@ -11,6 +11,8 @@ difference never grows into a different mask.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from torch.nn.parallel import DistributedDataParallel as DDP
@@ -53,6 +55,7 @@ COMPILED = ["linear90", "skips", "skip_one_bucket", "dense", "int4", "bf16", "li
 CASES.update({f"{case}_compiled": {**CASES[case], "config": {**CASES[case]["config"], "kernels": "compiled"}}
               for case in COMPILED})
 SHARDED = ["linear99_ramp_sharded", "lazy80_delay0_refresh2_sharded"]
+SLOW = {"skips_compiled", "bf16_compiled"}  # -m slow: each compiles its passes afresh (15-20 s in a fresh clone)
 
 
 def lr_at(step: int) -> float:
@@ -110,21 +113,40 @@ def _record(rank: int, world: int, cases: dict) -> dict:
 
 
 @pytest.fixture(scope="module")
-def runs() -> list[dict]:
-    return run_distributed(_record, CASES)
+def default_runs() -> list[dict]:
+    return run_distributed(_record, {case: spec for case, spec in CASES.items() if case not in SLOW})
 
 
-def test_compiled_cases_ran_the_compiled_passes(runs):
-    for case in COMPILED:
-        hook = {"AdamS", "score", "stage", "verdicts", "finish"}
-        want = hook | ({"gather", "masked_update", "update"} if "sharded" in case else {"sparse_step"})
-        if case == "dense":
-            want = {"AdamS"}
-        elif case == "int4":
-            want |= {"wire", "wire_own", "wire_decode"}
-        for r in runs:
-            assert want <= set(r[f"{case}_compiled"]["kernels"]), (case, r[f"{case}_compiled"]["kernels"])
-            assert not r[case]["kernels"], case  # eager: none
+@pytest.fixture(scope="module")
+def slow_runs() -> list[dict]:
+    return run_distributed(_record, {case: CASES[case] for case in SLOW})
+
+
+@pytest.fixture
+def runs(request: pytest.FixtureRequest) -> list[dict]:
+    """Every rank's records of the cases the test asks for (the slow cases' run only when one is)."""
+    case = request.node.callspec.params.get("case") if hasattr(request.node, "callspec") else None
+    return request.getfixturevalue("slow_runs" if case in SLOW else "default_runs")
+
+
+def slow(case: str) -> Any:
+    """``case`` as a parameter marked ``slow``."""
+    return pytest.param(case, marks=pytest.mark.slow)
+
+
+@pytest.mark.parametrize("case", [slow(f"{c}_compiled") if f"{c}_compiled" in SLOW else f"{c}_compiled"
+                                  for c in COMPILED])
+def test_compiled_cases_ran_the_compiled_passes(runs, default_runs, case):
+    eager = case.removesuffix("_compiled")
+    want = {"AdamS", "score", "stage", "verdicts", "finish"}
+    want |= {"gather", "masked_update", "update"} if "sharded" in case else {"sparse_step"}
+    if eager == "dense":
+        want = {"AdamS"}
+    elif eager == "int4":
+        want |= {"wire", "wire_own", "wire_decode"}
+    for r, e in zip(runs, default_runs):
+        assert want <= set(r[case]["kernels"]), (case, r[case]["kernels"])
+        assert not e[eager]["kernels"], eager  # eager: none
 
 
 def steps_of(runs: list[dict], case: str) -> list[list[dict]]:
@@ -222,7 +244,7 @@ def test_shard_plans_of_the_ramps_past_densities_are_dropped(runs):
         assert r["linear99_ramp"]["plans"] == []  # replicated: no shard plans
 
 
-@pytest.mark.parametrize("case", ["skips", "skips_sharded", "skips_compiled"])
+@pytest.mark.parametrize("case", ["skips", "skips_sharded", slow("skips_compiled")])
 def test_skipped_steps_change_nothing_and_lose_nothing(runs, case):
     steps = steps_of(runs, case)
     skip = CASES[case]["nonfinite_at"]
@@ -271,7 +293,7 @@ def test_a_dropped_bucket_loses_its_gradient_and_clean_buckets_lose_nothing(runs
     assert "4.weight" in dropped and kept, (dropped, kept)
 
 
-@pytest.mark.parametrize("case", ["bf16", "bf16_compiled"])
+@pytest.mark.parametrize("case", ["bf16", slow("bf16_compiled")])
 def test_bf16_parameters_follow_the_contract_to_bf16_rounding(runs, case):
     steps = steps_of(runs, case)
     for t, recs in enumerate(steps):

@@ -98,7 +98,7 @@ def _resume_elsewhere(rank, world, path):
     return [str(w.message) for w in caught], mean_kept, snapshot(model, opt)
 
 
-@pytest.mark.parametrize("old, new", [(1, 2), (2, 4)])
+@pytest.mark.parametrize("old, new", [(1, 2), pytest.param(2, 4, marks=pytest.mark.slow)])
 def test_resume_at_another_world_size_keeps_the_mean_residual(old, new, tmp_path):
     run_distributed(_train_and_save, 8, str(tmp_path / "ckpt.pt"), world_size=old)
     results = run_distributed(_resume_elsewhere, str(tmp_path / "ckpt.pt"), world_size=new)

@@ -92,7 +92,7 @@ def _resumed(rank: int, world: int, tmp: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])  # 4 ranks: 23 s
 def test_resume_in_fresh_processes_is_bit_for_bit_with_the_defaults(world, tmp_path):
     full = run_distributed(_uninterrupted, str(tmp_path), world_size=world)
     resumed = run_distributed(_resumed, str(tmp_path), world_size=world)

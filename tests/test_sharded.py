@@ -87,6 +87,7 @@ def test_sharded_is_bit_identical_to_replicated_at_2_ranks_with_the_defaults():
     assert _check_identical(results, "int4 wire, 99%", STEPS) == STEPS - 5
 
 
+@pytest.mark.slow  # 26 s; the defaults at 2 ranks and the 4-rank state and reshard tests stay in the default run
 def test_sharded_is_bit_identical_to_replicated_at_4_ranks():
     cases = {
         "defaults": ({}, {}),
@@ -174,7 +175,7 @@ def test_checkpoint_resumes_bit_for_bit_and_interchanges_with_the_replicated_mod
             assert all(torch.equal(a, b) for a, b in zip(params, straight)), f"{where}: parameters"
 
 
-@pytest.mark.parametrize("old, new", [(2, 4), (4, 2)])
+@pytest.mark.parametrize("old, new", [(2, 4), pytest.param(4, 2, marks=pytest.mark.slow)])
 def test_checkpoint_reshards_at_another_world_size(old, new, tmp_path):
     path = str(tmp_path / "ckpt.pt")
     saved = run_distributed(_reshard_save, path, world_size=old)
