@@ -43,10 +43,11 @@ from scape_core.adams import MOMENTUM, AdamS, check_grad
 from scape_core.compat import all_gather_into_tensor
 from scape_core.config import ScapeConfig
 from scape_core.kernels import masked_update_pass
-from scape_core.layout import FlatLayout, gather_spans, scatter_spans
+from scape_core.layout import FlatLayout, Shard, gather_spans, scatter_spans
 from scape_core.masks import Mask
 from scape_core.model import parameter_names
 from scape_core.selection import MaskSelector
+from scape_core.state import SparseBuffers
 from scape_core.streak import STREAK_CHECK_EVERY, SkipStreak
 from scape_core.update_rules import UPDATE_RULES
 
@@ -89,7 +90,7 @@ class FSDPStepRecord:
     values: Tensor | None = None  # sparse: the exchanged mean at each mask entry (0 where not finite)
 
 
-class ScapeFSDPState:
+class ScapeFSDPState(SparseBuffers):
     """SCAPE's state for an FSDP2 model sharded on a 1-D mesh, over a replicate group.
 
     Registers one all-reduce hook per FSDP2 parameter group; pair it with :class:`ScapeFSDPAdamS`
@@ -146,6 +147,7 @@ class ScapeFSDPState:
                                      process_group=replicate_group, counters=self.counters)
         self.step = 0
         self._sparse = False
+        self.shard = Shard(self.layout, 0, self.layout.rows)  # the rows whose state this rank keeps: all of its layout
         self.residual_buffer: Tensor | None = None  # (rows, chunk) fp32: this replica's unsent gradient
         self.window_buffer: Tensor | None = None  # (rows, chunk) fp32: the step each coordinate was last exchanged
         self.skipped = torch.zeros((), dtype=torch.long, device=self.layout.device)
@@ -168,33 +170,6 @@ class ScapeFSDPState:
             raise ValueError("replicate_group's ranks hold different shards (rows, coordinates, shard rank per "
                              f"rank: {[e.tolist() for e in every]}): pass the group of the ranks with the same "
                              "shard rank, e.g. mesh.get_group('replicate') of a (replicate, shard) mesh")
-
-    # ----- the schedule -----------------------------------------------------------------
-    def is_dense(self, step: int) -> bool:
-        """Whether ``step`` exchanges every coordinate (warm-up, or ``sparsity == 0``)."""
-        return self.schedule.is_dense(step)
-
-    def current_mask(self) -> Mask | None:
-        """Mask of the step in progress; ``None`` on a dense step."""
-        return self.selector.mask_for(self.step)
-
-    @property
-    def masks(self) -> dict[int, Mask]:
-        """The scheduled masks by the step that uses them."""
-        return self.selector.masks
-
-    @property
-    def sparse_started(self) -> bool:
-        """Whether the residual (and windows) exist."""
-        return self._sparse
-
-    def start_sparse(self) -> None:
-        """Allocate the residual (and the windows) before the first sparse exchange."""
-        self._sparse = True
-        if self.residual_buffer is None and self.config.error_feedback:
-            self.residual_buffer = self.layout.zeros()
-        if self.window_buffer is None and self.config.keeps_windows:  # the warm-up exchanged everything
-            self.window_buffer = self.layout.zeros().fill_(self.step - 1)
 
     def residuals(self, g: ParamGroup) -> list[Tensor]:
         """The group's parameters' views of the residual (resolved once per residual buffer)."""

@@ -17,6 +17,7 @@ from scape_core.kernels import Kernels
 from scape_core.layout import FlatLayout, Shard
 from scape_core.masks import Mask
 from scape_core.model import check_ddp_model, parameter_names
+from scape_core.schedule import MaskSchedule
 from scape_core.selection import MaskSelector
 from scape_core.sharding import ShardExchange
 from scape_core.streak import STREAK_CHECK_EVERY, SkipStreak
@@ -42,7 +43,49 @@ def scape_metrics(stats: dict[str, float]) -> dict[str, float]:
     return {f"scape/{name}": float(stats[name]) for name in LOGGED}
 
 
-class ScapeState:
+class SparseBuffers:
+    """What both states (:class:`ScapeState`, :class:`~scape_core.fsdp.ScapeFSDPState`) keep for
+    sparse steps: the scheduled masks, and the buffers made at the first sparse step, the residual
+    (every row) and the windows (the rows of :attr:`shard`, whose optimizer state this rank keeps)."""
+
+    config: ScapeConfig
+    layout: FlatLayout
+    shard: Shard
+    selector: MaskSelector
+    schedule: MaskSchedule
+    step: int
+    residual_buffer: Tensor | None
+    window_buffer: Tensor | None
+    _sparse: bool
+
+    def is_dense(self, step: int) -> bool:
+        """Whether ``step`` exchanges every coordinate (warm-up or ``sparsity == 0``)."""
+        return self.schedule.is_dense(step)
+
+    @property
+    def masks(self) -> dict[int, Mask]:
+        """The scheduled masks by the step that uses them."""
+        return self.selector.masks
+
+    def current_mask(self) -> Mask | None:
+        """Mask of the step in progress; ``None`` on a dense step."""
+        return self.selector.mask_for(self.step)
+
+    @property
+    def sparse_started(self) -> bool:
+        """Whether the buffers of sparse steps exist (the first sparse step, or a loaded state, made them)."""
+        return self._sparse
+
+    def start_sparse(self) -> None:
+        """Allocate the residual (and the windows) before the first sparse exchange."""
+        self._sparse = True
+        if self.residual_buffer is None and self.config.error_feedback:
+            self.residual_buffer = self.layout.zeros()
+        if self.window_buffer is None and self.config.keeps_windows:  # the warm-up exchanged everything
+            self.window_buffer = self.shard.zeros().fill_(self.step - 1)
+
+
+class ScapeState(SparseBuffers):
     """State of the SCAPE communication hook, shared with its :class:`ScapeAdamS` optimizer.
 
     Register it with the hook, then build the optimizer from it::
@@ -148,33 +191,7 @@ class ScapeState:
         """The rows whose ``m``, rule statistics and windows this rank keeps (every row unless sharded)."""
         return self.shards.shard
 
-    @property
-    def masks(self) -> dict[int, Mask]:
-        """The scheduled masks by the step that uses them."""
-        return self.selector.masks
-
-    def is_dense(self, step: int) -> bool:
-        """Whether ``step`` exchanges every coordinate (warm-up or ``sparsity == 0``)."""
-        return self.schedule.is_dense(step)
-
-    def current_mask(self) -> Mask | None:
-        """Mask of the step in progress; ``None`` on a dense step."""
-        return self.selector.mask_for(self.step)
-
     # ----- buffers and named views ----------------------------------------------------
-    @property
-    def sparse_started(self) -> bool:
-        """Whether the buffers of sparse steps exist (the first sparse step, or a loaded state, made them)."""
-        return self._sparse
-
-    def start_sparse(self) -> None:
-        """Allocate the residual (and the windows) before the first sparse exchange."""
-        self._sparse = True
-        if self.residual_buffer is None and self.config.error_feedback:
-            self.residual_buffer = self.layout.zeros()
-        if self.window_buffer is None and self.config.keeps_windows:  # the warm-up exchanged everything
-            self.window_buffer = self.shard.zeros().fill_(self.step - 1)
-
     def reset_sparse(self, started: bool) -> None:
         """Drop the sparse buffers (a state is being loaded) and make them anew, zeroed, if ``started``."""
         self.residual_buffer = self.window_buffer = None
