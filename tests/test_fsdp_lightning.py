@@ -20,6 +20,7 @@ import lightning_scape
 from lightning_scape import ScapeFabricModelParallelStrategy, ScapeModelParallelStrategy
 from scape_core.fsdp import scape_fsdp
 from tests.dist import failure, run_distributed
+from tests.test_fsdp import _local, _same_across
 from tests.test_resume import TinyTransformer
 
 LR, WD = 3e-3, 0.1
@@ -71,16 +72,6 @@ def _trainer(tmp: str, strategy=None, **kwargs) -> L.Trainer:
 
 def _loader() -> DataLoader:
     return DataLoader(TOKENS, batch_size=4)  # Lightning puts a DistributedSampler over the 4 ranks in front
-
-
-def _local(model: nn.Module) -> torch.Tensor:
-    return torch.cat([p._local_tensor.detach().reshape(-1) for p in model.parameters()])
-
-
-def _same_across(tensor: torch.Tensor, group) -> bool:
-    every = [torch.empty_like(tensor) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(every, tensor, group=group)
-    return all(torch.equal(e, tensor) for e in every)
 
 
 def _distinct(batches: list[torch.Tensor]) -> bool:
