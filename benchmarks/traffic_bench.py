@@ -306,11 +306,14 @@ def _masked_update_traffic(args: tuple, kwargs: dict, out: Any) -> tuple[int, in
 
 
 def _update_traffic(args: tuple, kwargs: dict, out: Any) -> tuple[int, int]:
-    params, entries, u, decay, scale, pieces = args  # every parameter decayed; the entries read and written again
+    params, entries, u, scale, pieces = args  # the entries of the parameters read and written
     picked = sum((hi - lo) * params[i].element_size() for i, lo, hi, _ in pieces)
-    small = nbytes([entries, u, *[d for d in decay if d is not None], *scale])
-    decayed = nbytes([p for p, d in zip(params, decay) if d is not None])
-    return small + decayed + picked, decayed + picked
+    return nbytes([entries, u, *scale]) + picked, picked
+
+
+def _decay_traffic(params: list[torch.Tensor], decay: list[torch.Tensor | None]) -> tuple[int, int]:
+    decayed = nbytes([p for p, d in zip(params, decay) if d is not None])  # read and written
+    return decayed + nbytes([d for d in decay if d is not None]), decayed
 
 
 def _stage_traffic(args: tuple, kwargs: dict, out: Any) -> tuple[int, int]:
@@ -320,23 +323,21 @@ def _stage_traffic(args: tuple, kwargs: dict, out: Any) -> tuple[int, int]:
 
 
 def _sparse_step_traffic(args: tuple, kwargs: dict, out: Any) -> tuple[int, int]:
-    _, params, grads, momentum, statistics, windows, residual, values, entries, applied, step, decay, scale, \
-        pieces, *_ = args  # the gather, the rule, the update and the unapplied values, each at what it touches
+    _, params, grads, momentum, statistics, windows, entries, applied, step, decay, pieces, *_ = args
+    # the gather and the rule, each at what it touches, and the decay; returns u
     gather = _gather_traffic((grads, entries, pieces), {}, torch.empty(0))[0]
     touched = [b for b in (momentum, *statistics.values(), windows) if b is not None]
     state = entries.numel() * sum(b.element_size() for b in touched)
-    update_read, update_written = _update_traffic((params, entries, torch.empty(0), decay, scale, pieces), {}, None)
-    unapplied = 0 if residual is None or values is None else entries.numel() * residual.element_size()
-    small = nbytes([applied, step] + ([values] if values is not None else []))
-    return gather + state + update_read + unapplied + small, state + update_written + unapplied
+    decay_read, decay_written = _decay_traffic(params, decay)
+    return gather + state + decay_read + nbytes([applied, step]), state + decay_written + nbytes(out)
 
 
 def _finish_traffic(args: tuple, kwargs: dict, out: Any) -> tuple[int, int]:
-    buffers, residual, entries, reduced, kept, good, pieces = args  # buckets zeroed (written), entries touched
+    buffers, residual, entries, reduced, kept, ok, good, pieces = args  # the entries touched (zeroed before: eager)
     at = 0 if residual is None else entries.numel() * residual.element_size()
-    small = nbytes([entries, reduced, good] + ([kept] if kept is not None else []))
+    small = nbytes([entries, reduced, ok, good] + ([kept] if kept is not None else []))
     picked = sum((hi - lo) * buffers[j].element_size() for j, lo, hi, _ in pieces)
-    return small + nbytes(entries) + at, nbytes(buffers) + at + picked + nbytes(out)
+    return small + nbytes(entries) + at, at + picked + nbytes(out)
 
 
 # the rest: their boundary (every tensor argument read, returned and mutated ones written)

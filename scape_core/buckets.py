@@ -194,8 +194,9 @@ class StepRecord:
         return x.positions
 
     def return_unapplied(self, residual: Tensor | None, entries: Tensor, applied: Tensor) -> None:
-        """Exchanged values the optimizer did not apply (a skipped step, a parameter without
-        gradient) go back into ``residual``: nothing sent is lost. ``applied``: bool, 0-dim or per entry."""
+        """Exchanged values not applied go back into ``residual``: nothing sent is lost. ``applied``:
+        bool, 0-dim or per entry (the optimizer's: entries of parameters that had no gradient at
+        the step; the hook already returned a skipped step's, :func:`scape_core.hook.finish_bucket`)."""
         if self.values is not None and residual is not None:
             residual.view(-1).index_add_(0, entries, self.values.masked_fill(applied, 0.0))
 

@@ -37,23 +37,25 @@ def stage(state: ScapeState, bucket: BucketPlan, mask: Mask, buffer: Tensor) -> 
     return exchange
 
 
-def finish_bucket(state: ScapeState, exchange: Exchange, reduced: Tensor, kept: Tensor | None) -> None:
+def finish_bucket(state: ScapeState, exchange: Exchange, reduced: Tensor, kept: Tensor | None, ok: Tensor,
+                  step_ok: Tensor) -> None:
     """After the exchange: the residual keeps the rest, the bucket holds the mean on the mask (zeros elsewhere).
 
     ``reduced`` and ``kept`` (this rank's rounding of what it sent, or None) are the bucket's
-    entries. Decided on the device: if the bucket's exchange was not finite on any rank, this
-    step's gradient is dropped from the residual (which stays as before the step) and the
-    bucket holds zeros.
+    entries; ``ok``: they are finite (on every rank); ``step_ok``: every bucket's are. Decided on
+    the device: a bucket that is not finite drops this step's gradient from the residual (which
+    stays as before the step) and holds zeros; on a step some bucket skips, the means the others
+    exchanged go back into the residual (nothing sent is lost: the optimizer applies none).
     """
     buffer, entries, bucket = exchange.buffer, exchange.entries, exchange.bucket
-    ok = torch.isfinite(reduced).all()
     state.record.finite.append(ok)  # list appends are safe from gloo's thread
+    mean = torch.where(ok, reduced, 0.0)
     if state.residual_buffer is not None:
         buffer.masked_fill_(~(ok & exchange.finite), 0.0)  # a dropped step adds nothing
         torch._foreach_add_(bucket.residuals(state.layout, state.residual_buffer), bucket.grads)  # e_r += g_r
         flat = state.residual_buffer.view(-1)
-        flat.index_copy_(0, entries, torch.where(ok, 0.0 if kept is None else kept, flat.index_select(0, entries)))
-    mean = torch.where(ok, reduced, 0.0)
+        kept_now = torch.where(step_ok, 0.0, mean) if kept is None else kept + torch.where(step_ok, 0.0, mean)
+        flat.index_copy_(0, entries, torch.where(ok, kept_now, flat.index_select(0, entries)))
     buffer.zero_()
     buffer.index_copy_(0, exchange.positions, mean.to(buffer.dtype))
     scatter_spans(state.record.values, exchange.spans, mean)
@@ -74,13 +76,17 @@ def finish_step(state: ScapeState, record: StepRecord, reduced: Tensor, kept: Te
                     residuals += x.bucket.residuals(state.layout, state.residual_buffer)
                     grads += x.bucket.grads
                 torch._foreach_add_(residuals, grads)
+            torch._foreach_zero_([x.buffer for x in exchanges])  # outside the graph: in place (finish_pass)
             record.values = state.kernels.finish([x.buffer for x in exchanges], state.residual_buffer, record.entries,
-                                                 reduced, kept, good, pieces)
+                                                 reduced, kept, ok, good, pieces)
             record.finite.extend(ok.unbind())
         else:
-            for x in record.exchanges:
+            parts = [gather_spans(reduced, x.spans) for x in record.exchanges]
+            oks = [torch.isfinite(part).all() for part in parts]
+            step_ok = torch.stack(oks).all()
+            for x, part, ok in zip(record.exchanges, parts, oks):
                 kept_here = None if kept is None else gather_spans(kept, x.spans)
-                finish_bucket(state, x, gather_spans(reduced, x.spans), kept_here)
+                finish_bucket(state, x, part, kept_here, ok, step_ok)
     except BaseException as e:
         for x in record.exchanges:
             x.future.set_exception(e)

@@ -107,22 +107,25 @@ def verdict_pass(reduced: Tensor, pieces: Sequence[Piece], buckets: int) -> tupl
 
 
 def finish_pass(buffers: list[Tensor], residual: Tensor | None, entries: Tensor, reduced: Tensor,
-                kept: Tensor | None, good: Tensor, pieces: Sequence[Piece]) -> Tensor:
-    """After the exchange and the residual's add of the gradients, every bucket at once: the residual
-    keeps ``kept`` (or 0) at the entries of buckets that went through (``good``, per entry); every
-    bucket holds the mean on the mask, zeros elsewhere. Returns the means (fp32; 0 in a dropped
-    bucket). As the end of :func:`scape_core.hook.finish_bucket`.
+                kept: Tensor | None, ok: Tensor, good: Tensor, pieces: Sequence[Piece]) -> Tensor:
+    """After the exchange, the residual's add of the gradients and the buckets' zeroing, every bucket
+    at once: the residual keeps ``kept`` (or 0) at the entries of buckets that went through
+    (``good``, per entry; ``ok``, per bucket), plus their means if the step is skipped (a bucket not
+    ``ok``); every bucket gets the mean at the mask's entries. Returns the means (fp32; 0 in a
+    dropped bucket). As :func:`scape_core.hook.finish_bucket`.
 
-    The residual's add itself stays an eager multi-tensor add: inside a compiled graph an add into
-    each parameter's slice of one buffer is functionalized into copies of the whole buffer
-    (measured at 10M parameters: 0.5-2 s a step instead of 20-35 ms; ``docs/benchmarks.md``).
+    The residual's add and the zeroing stay eager multi-tensor operators. Inside a compiled graph
+    an add into each parameter's slice of one buffer is functionalized into copies of the whole
+    buffer (measured at 10M parameters: 0.5-2 s a step instead of 20-35 ms; ``docs/benchmarks.md``),
+    and a bucket zeroed and then written at the entries in one graph is written through a
+    temporary of its size, copied back at the end (inductor's generated code).
     """
+    mean = torch.where(good, reduced, 0.0)
     if residual is not None:
         flat = residual.view(-1)
-        flat.index_copy_(0, entries, torch.where(good, 0.0 if kept is None else kept, flat.index_select(0, entries)))
-    mean = torch.where(good, reduced, 0.0)
-    for b in buffers:
-        b.zero_()
+        returned = torch.where(ok.all(), 0.0, mean)  # a skipped step: what was exchanged goes back
+        now = returned if kept is None else kept + returned
+        flat.index_copy_(0, entries, torch.where(good, now, flat.index_select(0, entries)))
     for j, lo, hi, shift in pieces:
         buffers[j].index_copy_(0, entries[lo:hi] - shift, mean[lo:hi].to(buffers[j].dtype))
     return mean.float()
@@ -134,12 +137,21 @@ def gather_pass(grads: list[Tensor], entries: Tensor, pieces: Sequence[Piece]) -
                       for i, lo, hi, start in pieces])
 
 
-def update_pass(params: list[Tensor], entries: Tensor, u: Tensor, decay: list[Tensor | None],
-                scale: list[Tensor], pieces: Sequence[Piece]) -> None:
-    """``theta *= decay`` (per tensor; ``None``: no decay), then ``theta[j] += scale * u[j]`` at the entries."""
+def decay_pass(params: list[Tensor], decay: list[Tensor | None]) -> None:
+    """``theta *= decay`` per tensor (``None``: no decay), in place."""
     for p, d in zip(params, decay):
         if d is not None:
             p.mul_(d)
+
+
+def update_pass(params: list[Tensor], entries: Tensor, u: Tensor, scale: list[Tensor],
+                pieces: Sequence[Piece]) -> None:
+    """``theta[j] += scale * u[j]`` at the entries, in place.
+
+    A pass of its own, not the decay's: in one graph, an in-place multiply and then an indexed add
+    into the same tensor is compiled into a copy of the whole tensor written back at the end
+    (seen in inductor's generated code: 8 B/param more), each alone is in place.
+    """
     for i, lo, hi, start in pieces:
         p = params[i].view(-1)
         p.index_add_(0, entries[lo:hi] - start, (u[lo:hi] * scale[i]).to(p.dtype))
@@ -168,17 +180,17 @@ def masked_update_pass(rule: Any, momentum: Tensor, statistics: dict[str, Tensor
 
 
 def sparse_step_pass(rule: Any, params: list[Tensor], grads: list[Tensor], momentum: Tensor,
-                     statistics: dict[str, Tensor], windows: Tensor | None, residual: Tensor | None,
-                     values: Tensor | None, entries: Tensor, applied: Tensor, step: Tensor, decay: list[Tensor | None],
-                     scale: list[Tensor], pieces: Sequence[Piece], beta1: float, beta2: float, eps: float) -> None:
-    """A replicated sparse step's optimizer half in one pass: the window sums read from ``p.grad``
-    (:func:`gather_pass`), the rule (:func:`masked_update_pass`), decay and update
-    (:func:`update_pass`), and what a skipped step exchanged (``values``) back into the residual."""
+                     statistics: dict[str, Tensor], windows: Tensor | None, entries: Tensor, applied: Tensor,
+                     step: Tensor, decay: list[Tensor | None], pieces: Sequence[Piece],
+                     beta1: float, beta2: float, eps: float) -> Tensor:
+    """A replicated sparse step's optimizer half but the update: the window sums read from ``p.grad``
+    (:func:`gather_pass`), the rule (:func:`masked_update_pass`) and the decay (:func:`decay_pass`);
+    returns ``u`` for :func:`update_pass`. (A skipped step's exchanged values went back into the
+    residual in :func:`finish_pass`.)"""
     s = gather_pass(grads, entries, pieces)
     u = masked_update_pass(rule, momentum, statistics, windows, entries, s, applied, step, beta1, beta2, eps)
-    update_pass(params, entries, u, decay, scale, pieces)
-    if residual is not None and values is not None:
-        residual.view(-1).index_add_(0, entries, values.masked_fill(applied, 0.0))
+    decay_pass(params, decay)
+    return u
 
 
 def wire_send_pass(plan: WirePlan, values: Tensor) -> tuple[Tensor, Tensor]:
@@ -278,9 +290,10 @@ class Kernels:
         return self._fn("verdicts", verdict_pass, hash(pieces))(reduced, pieces, buckets)
 
     def finish(self, buffers: list[Tensor], residual: Tensor | None, entries: Tensor, reduced: Tensor,
-               kept: Tensor | None, good: Tensor, pieces: Sequence[Piece]) -> Tensor:
+               kept: Tensor | None, ok: Tensor, good: Tensor, pieces: Sequence[Piece]) -> Tensor:
         """:func:`finish_pass` (compiled only)."""
-        return self._fn("finish", finish_pass, hash(pieces))(buffers, residual, entries, reduced, kept, good, pieces)
+        return self._fn("finish", finish_pass, hash(pieces))(buffers, residual, entries, reduced, kept, ok, good,
+                                                             pieces)
 
     def gather(self, grads: list[Tensor], entries: Tensor, pieces: Sequence[Piece]) -> Tensor:
         """The gradients at the mask's entries, read in place (compiled only)."""
@@ -288,18 +301,20 @@ class Kernels:
 
     def update(self, params: list[Tensor], entries: Tensor, u: Tensor, decay: list[Tensor | None],
                scale: list[Tensor], pieces: Sequence[Piece]) -> None:
-        """Decay every coordinate and add ``scale * u`` at the entries (compiled only)."""
-        return self._fn("update", update_pass, hash(pieces))(params, entries, u, decay, scale, pieces)
+        """Decay every coordinate and add ``scale * u`` at the entries (compiled only): two passes."""
+        self._fn("decay", decay_pass, tuple(d is None for d in decay))(params, decay)
+        self._fn("update", update_pass, hash(pieces))(params, entries, u, scale, pieces)
 
     def sparse_step(self, rule: Any, params: list[Tensor], grads: list[Tensor], momentum: Tensor,
-                    statistics: dict[str, Tensor], windows: Tensor | None, residual: Tensor | None,
-                    values: Tensor | None, entries: Tensor, applied: Tensor, step: int, decay: list[Tensor | None],
-                    scale: list[Tensor], pieces: Sequence[Piece], **hp: float) -> None:
+                    statistics: dict[str, Tensor], windows: Tensor | None, entries: Tensor, applied: Tensor,
+                    step: int, decay: list[Tensor | None], scale: list[Tensor], pieces: Sequence[Piece],
+                    **hp: float) -> None:
         """:func:`sparse_step_pass` (compiled only; replicated state, every parameter with a gradient)."""
         at = self.scalar("step", step, entries.device, torch.float32)  # windows are fp32
         run = self._fn("sparse_step", sparse_step_pass, hash(pieces))
-        run(rule, params, grads, momentum, statistics, windows, residual, values, entries, applied, at, decay, scale,
-            pieces, hp["beta1"], hp["beta2"], hp["eps"])
+        u = run(rule, params, grads, momentum, statistics, windows, entries, applied, at, decay, pieces,
+                hp["beta1"], hp["beta2"], hp["eps"])
+        self._fn("update", update_pass, hash(pieces))(params, entries, u, scale, pieces)
 
     # both modes: the eager form is the same function, run as torch operators
     def masked_update(self, rule: Any, momentum: Tensor, statistics: dict[str, Tensor], windows: Tensor | None,

@@ -239,8 +239,8 @@ class ScapeAdamS(AdamS):
             decay, scale = self._decay_and_scale(groups, skip, entries.device)
             if not scape.sharded:  # the whole optimizer half in one compiled pass
                 scape.kernels.sparse_step(self.rule, with_grad, [p.grad for p in with_grad], self.momentum_buffer,
-                                          self.statistics, scape.window_buffer, scape.residual_buffer,
-                                          scape.record.values, entries, ~skip, scape.step, decay, scale, pieces, **hp)
+                                          self.statistics, scape.window_buffer, entries, ~skip, scape.step, decay,
+                                          scale, pieces, **hp)
                 return
             s = scape.kernels.gather([p.grad for p in with_grad], entries, pieces)  # read in place from p.grad
         else:
@@ -260,7 +260,8 @@ class ScapeAdamS(AdamS):
                 deltas = [scape.buckets.views[self._names[p]] for p in params]
                 torch._foreach_add_(params, deltas, alpha=-group["lr"])
             scape.record.restore_gradients(s)
-        scape.record.return_unapplied(scape.residual_buffer, entries, applied)
+        if not all_have_grad:  # a skipped step's values went back in the hook (finish_bucket); these did not
+            scape.record.return_unapplied(scape.residual_buffer, entries, applied | skip)
 
     def _decay_and_scale(self, groups: list[tuple[dict[str, Any], list[Tensor]]], skip: Tensor,
                          device: torch.device) -> tuple[list[Tensor | None], list[Tensor]]:

@@ -139,10 +139,12 @@ def test_compiled_kernels_cut_the_passes_and_the_operators(tmp_path):
     eager, compiled = rows["SCAPE 99% native"], rows["SCAPE 99% native compiled"]
     assert compiled["sparse"] and compiled["skipped_steps"] == 0 and compiled["host_reads"] == 0
     ops = compiled["added"]["by_op"]
-    # the residual's add stays eager (12: read g and e, write e); the compiled finish zeroes the buckets once (4)
-    # and writes the entries; the optimizer writes nothing back into the buckets (no dense delta: no second zero)
+    # the residual's add stays eager (12: read g and e, write e), and so does the buckets' one zeroing (4: in a
+    # graph it went through a temporary); the compiled finish writes the entries only (under 1 at 1% density); the
+    # optimizer writes nothing back into the buckets (no dense delta: no second zero)
     assert ops["_foreach_add_"]["bytes_per_param"] == pytest.approx(12, abs=0.1)
-    assert ops["compiled:finish"]["bytes_per_param"] == pytest.approx(4, abs=1.0)
+    assert ops["_foreach_zero_"]["bytes_per_param"] == pytest.approx(4, abs=0.1)
+    assert ops["compiled:finish"]["bytes_per_param"] < 1.0
     assert "zero_" not in ops
     assert compiled["added"]["operators"] <= 80 < eager["added"]["operators"]
     assert compiled["added"]["bytes_per_param"] < 0.6 * eager["added"]["bytes_per_param"]
