@@ -69,13 +69,14 @@ def finish_step(state: ScapeState, record: StepRecord, reduced: Tensor, kept: Te
         if state.kernels.compiled:
             pieces, exchanges = record.staging.pieces, record.exchanges
             ok, good = state.kernels.verdicts(reduced, pieces, len(exchanges))
-            if state.residual_buffer is not None:  # e_r += g_r where the bucket went through: eager (kernels.py)
-                residuals, grads = [], []
+            if state.residual_buffer is not None:  # e_r += g_r where the bucket went through, a graph of its own
+                residuals, grads, keep = [], [], []
                 for j, x in enumerate(exchanges):
-                    x.buffer.masked_fill_(~(ok[j] & x.finite), 0.0)
-                    residuals += x.bucket.residuals(state.layout, state.residual_buffer)
+                    views = x.bucket.residuals(state.layout, state.residual_buffer)
+                    residuals += views
                     grads += x.bucket.grads
-                torch._foreach_add_(residuals, grads)
+                    keep += [ok[j] & x.finite] * len(views)
+                state.kernels.residual(residuals, grads, keep, hash(pieces))
             torch._foreach_zero_([x.buffer for x in exchanges])  # outside the graph: in place (finish_pass)
             record.values = state.kernels.finish([x.buffer for x in exchanges], state.residual_buffer, record.entries,
                                                  reduced, kept, ok, good, pieces)

@@ -106,6 +106,15 @@ def verdict_pass(reduced: Tensor, pieces: Sequence[Piece], buckets: int) -> tupl
     return ok, torch.cat([ok[j].expand(hi - lo) for j, lo, hi, _ in pieces])
 
 
+def residual_pass(residuals: list[Tensor], grads: list[Tensor], keep: list[Tensor]) -> None:
+    """``e_r += g_r`` per parameter where its bucket went through (``keep``, 0-dim bool each), in place:
+    the non-finite drop and the add in one loop (eager: the bucket's ``masked_fill_``, then a
+    multi-tensor add). ``residuals`` are views of one buffer that do not overlap, passed as inputs:
+    the graph writes nothing else of that buffer, so each is written in place (``finish_pass``)."""
+    for e, g, k in zip(residuals, grads, keep):
+        e.copy_(torch.where(k, e + g.float(), e))
+
+
 def finish_pass(buffers: list[Tensor], residual: Tensor | None, entries: Tensor, reduced: Tensor,
                 kept: Tensor | None, ok: Tensor, good: Tensor, pieces: Sequence[Piece]) -> Tensor:
     """After the exchange, the residual's add of the gradients and the buckets' zeroing, every bucket
@@ -114,11 +123,12 @@ def finish_pass(buffers: list[Tensor], residual: Tensor | None, entries: Tensor,
     ``ok``); every bucket gets the mean at the mask's entries. Returns the means (fp32; 0 in a
     dropped bucket). As :func:`scape_core.hook.finish_bucket`.
 
-    The residual's add and the zeroing stay eager multi-tensor operators. Inside a compiled graph
-    an add into each parameter's slice of one buffer is functionalized into copies of the whole
-    buffer (measured at 10M parameters: 0.5-2 s a step instead of 20-35 ms; ``docs/benchmarks.md``),
-    and a bucket zeroed and then written at the entries in one graph is written through a
-    temporary of its size, copied back at the end (inductor's generated code).
+    The residual's add is a graph of its own (:func:`residual_pass`) and the zeroing an eager
+    multi-tensor operator. In this graph an add into each parameter's slice of the residual (which
+    it also writes at the entries) is functionalized into copies of the whole buffer (measured at
+    10M parameters: 0.5-2 s a step instead of 20-35 ms; ``docs/benchmarks.md``), and a bucket zeroed
+    and then written at the entries in one graph is written through a temporary of its size,
+    copied back at the end (inductor's generated code).
     """
     mean = torch.where(good, reduced, 0.0)
     if residual is not None:
@@ -284,6 +294,10 @@ class Kernels:
               pieces: Sequence[Piece]) -> tuple[Tensor, Tensor]:
         """:func:`stage_pass`: the step's compact buffer and each bucket's verdict (compiled only)."""
         return self._fn("stage", stage_pass, hash(pieces))(buffers, residual, entries, pieces)
+
+    def residual(self, residuals: list[Tensor], grads: list[Tensor], keep: list[Tensor], key: Any) -> None:
+        """:func:`residual_pass` (compiled only; ``key``: the bucket structure, one compiled copy each)."""
+        self._fn("residual", residual_pass, key)(residuals, grads, keep)
 
     def verdicts(self, reduced: Tensor, pieces: Sequence[Piece], buckets: int) -> tuple[Tensor, Tensor]:
         """:func:`verdict_pass` (compiled only)."""

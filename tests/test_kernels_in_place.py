@@ -3,7 +3,8 @@ no temporary the size of one of them (a traffic count at the graph's boundary ca
 
 Two such temporaries were found by reading the generated code: a decay and an indexed add into the
 same parameter in one graph, and a bucket zeroed and written at the entries in one graph, each
-computed into a whole-size buffer copied back at the end (8 B/param each).
+computed into a whole-size buffer copied back at the end (8 B/param each). The residual's add
+takes each parameter's view of the residual as an input of its own graph.
 """
 
 import re
@@ -67,3 +68,17 @@ def test_the_compiled_finish_writes_the_buckets_and_the_residual_in_place():
     assert torch.equal(residual.view(-1)[entries], torch.zeros(entries.numel()))  # what was sent left it
     at = [buffers[i][entries[lo:hi] - start] for i, lo, hi, start in s["pieces"]]
     assert torch.equal(torch.cat(at), mean) and torch.equal(mean, reduced)  # the mean at the entries
+
+
+def test_the_compiled_residual_add_writes_each_view_in_place_and_drops_what_did_not_go_through():
+    s = setup()
+    kernels = Kernels("compiled")
+    residual = torch.randn(s["m"].shape)
+    flat = residual.view(-1)
+    views = [flat[:128], flat[128:384]]  # the two parameters' rows of the residual
+    grads = [g.clone() for g in s["grads"]]
+    grads[1][3] = float("nan")  # a bucket that is not finite: its parameter's residual must not move
+    before = [v.clone() for v in views]
+    _, code = run_and_get_code(kernels.residual, views, grads, [torch.tensor(True), torch.tensor(False)], "k")
+    assert code and not temporaries(code) & ({v.numel() for v in views} | {residual.numel()}), temporaries(code)
+    assert torch.equal(views[0], before[0] + grads[0]) and torch.equal(views[1], before[1])
