@@ -6,8 +6,10 @@ updated; a dense AdamS step reads the parameters, gradients and ``m``. Eager, ea
 several operators, each one pass over memory (``benchmarks/traffic_bench.py`` counts them).
 ``ScapeConfig(kernels="compiled")`` runs them as ``torch.compile``'d pure functions of the flat
 buffers instead: inductor fuses each into one loop per tensor (C++ on the CPU, Triton on CUDA),
-so each coordinate is read and written once per pass. One exception: the residual's add of the
-gradients stays an eager multi-tensor add (see :func:`finish_pass`).
+so each coordinate is read and written once per pass. Tensors a pass mutates are written in
+place; where one graph would write a tensor through a temporary of its size, the work is split
+into graphs of their own (:func:`decay_pass` and :func:`update_pass`, :func:`residual_pass`; the
+buckets' zeroing stays an eager multi-tensor operator, see :func:`finish_pass`).
 
 :class:`Kernels` holds the compiled passes; the eager code they replace is the reference the
 tests compare them against. Compiled functions take lists of tensors and 0-dim tensors for every
