@@ -54,8 +54,9 @@ def finish_bucket(state: ScapeState, exchange: Exchange, reduced: Tensor, kept: 
         buffer.masked_fill_(~(ok & exchange.finite), 0.0)  # a dropped step adds nothing
         torch._foreach_add_(bucket.residuals(state.layout, state.residual_buffer), bucket.grads)  # e_r += g_r
         flat = state.residual_buffer.view(-1)
-        kept_now = torch.where(step_ok, 0.0, mean) if kept is None else kept + torch.where(step_ok, 0.0, mean)
-        flat.index_copy_(0, entries, torch.where(ok, kept_now, flat.index_select(0, entries)))
+        returned = torch.where(step_ok, 0.0, mean)  # a skipped step: what was exchanged goes back
+        now = returned if kept is None else kept + returned
+        flat.index_copy_(0, entries, torch.where(ok, now, flat.index_select(0, entries)))
     buffer.zero_()
     buffer.index_copy_(0, exchange.positions, mean.to(buffer.dtype))
     scatter_spans(state.record.values, exchange.spans, mean)

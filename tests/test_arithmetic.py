@@ -138,8 +138,8 @@ def slow(case: str) -> Any:
                                   for c in COMPILED])
 def test_compiled_cases_ran_the_compiled_passes(runs, default_runs, case):
     eager = case.removesuffix("_compiled")
-    want = {"AdamS", "score", "stage", "verdicts", "finish"}
-    want |= {"gather", "masked_update", "update"} if "sharded" in case else {"sparse_step"}
+    want = {"AdamS", "score", "stage", "verdicts", "residual", "finish", "update"}
+    want |= {"gather", "masked_update", "decay"} if "sharded" in case else {"sparse_step"}
     if eager == "dense":
         want = {"AdamS"}
     elif eager == "int4":
