@@ -11,10 +11,11 @@ avoids. On CUDA, ``torch.topk`` already is a per-row radix select over the keys'
 
 The second route (``--route bits``), also a negative result: a per-row threshold search over the
 keys' bits, compiled (inductor's C++). 33 counts find each row's k-th key exactly, bit by bit from
-the top, and 13 more the column bound that takes the ties at it lowest columns first: a boolean
-mask of exactly ``k`` per row, in column order, with no compaction. Inductor emits each count as
-its own loop over all the rows (it does not fuse them per row), so 46 scans replace one top-k;
-on this CPU that is several times slower even in blocks of rows that stay in cache.
+the top, one more the keys above it and 13 more the column bound that takes the ties at it lowest
+columns first: a boolean mask of exactly ``k`` per row, in column order, with no compaction.
+Inductor emits each count as its own loop over all the rows (it does not fuse them per row), so
+47 scans replace one top-k; on this CPU that is several times slower even in blocks of rows that
+stay in cache.
 
     python benchmarks/threshold_topk.py                 # 25M scores, k = 41 and 308 (~1 minute)
     python benchmarks/threshold_topk.py --rows 500      # quicker
