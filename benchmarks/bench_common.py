@@ -16,7 +16,9 @@ import socket
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -160,6 +162,18 @@ def end_rank() -> None:
 
 def median(xs: list[float]) -> float:
     return statistics.median(xs) if xs else float("nan")
+
+
+def median_ms(fn: Callable[[], object], repeats: int = 5, warm: bool = False) -> float:
+    """The median wall time of ``repeats`` calls of ``fn``, in ms (``warm``: one untimed call first)."""
+    if warm:
+        fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return 1e3 * median(times)
 
 
 def scape_fields(warmup_steps: int) -> dict[str, int]:

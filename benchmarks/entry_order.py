@@ -14,21 +14,13 @@ the ``(rows, k)`` columns costs.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
-from typing import Callable
+import sys
+from pathlib import Path
 
 import torch
 
-
-def median_ms(fn: Callable[[], object], repeat: int = 5) -> float:
-    fn()
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1e3
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+from benchmarks.bench_common import median_ms  # noqa: E402
 
 
 def main() -> None:
@@ -42,7 +34,7 @@ def main() -> None:
     rows, chunk = args.rows, args.chunk
     buffer = torch.randn(rows * chunk)
     print(f"{rows * chunk / 1e6:.1f}M fp32 values, one thread; medians of 5, ms")
-    print(f"dense in-place pass (mul_): {median_ms(lambda: buffer.mul_(1.0)):.1f}")
+    print(f"dense in-place pass (mul_): {median_ms(lambda: buffer.mul_(1.0), warm=True):.1f}")
     print("| k | index_select, topk order | ascending | index_copy_, topk order | ascending | sort the columns |")
     print("|---|---|---|---|---|---|")
     base = torch.arange(rows)[:, None] * chunk
@@ -52,9 +44,10 @@ def main() -> None:
         entries, ascending = (base + cols).view(-1), (base + ordered).view(-1)
         values = torch.randn(entries.numel())
         small = cols.to(torch.int16)
-        row = [median_ms(lambda: buffer.index_select(0, entries)), median_ms(lambda: buffer.index_select(0, ascending)),
-               median_ms(lambda: buffer.index_copy_(0, entries, values)),
-               median_ms(lambda: buffer.index_copy_(0, ascending, values)), median_ms(lambda: small.sort(dim=1))]
+        row = [median_ms(fn, warm=True) for fn in (
+            lambda: buffer.index_select(0, entries), lambda: buffer.index_select(0, ascending),
+            lambda: buffer.index_copy_(0, entries, values), lambda: buffer.index_copy_(0, ascending, values),
+            lambda: small.sort(dim=1))]
         print(f"| {k} | " + " | ".join(f"{x:.1f}" for x in row) + " |")
 
 

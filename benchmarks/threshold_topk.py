@@ -26,11 +26,15 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 import time
-from typing import Callable
+from pathlib import Path
 
 import torch
 from torch import Tensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+from benchmarks.bench_common import median_ms  # noqa: E402
 
 
 def threshold_topk(keys: Tensor, k: int, samples: int = 512) -> tuple[Tensor, int]:
@@ -80,15 +84,6 @@ def bit_search_mask(keys: Tensor, k: int) -> Tensor:
         wider = bound | (1 << bit)
         bound = torch.where(count(tie & (cols < wider)) <= need, wider, bound)
     return (keys > t) | (tie & (cols < bound))
-
-
-def median_ms(fn: Callable[[], object], repeats: int = 5) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return 1e3 * sorted(times)[repeats // 2]
 
 
 def main() -> None:
