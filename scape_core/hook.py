@@ -77,7 +77,8 @@ def finish_step(state: ScapeState, record: StepRecord, reduced: Tensor, kept: Te
                     residuals += views
                     grads += x.bucket.grads
                     keep += [ok[j] & x.finite] * len(views)
-                state.kernels.residual(residuals, grads, keep, hash(pieces))
+                # one compiled copy per set of buckets: the pass does not depend on the mask's density
+                state.kernels.residual(residuals, grads, keep, hash(tuple(x.bucket.names for x in exchanges)))
             torch._foreach_zero_([x.buffer for x in exchanges])  # outside the graph: in place (finish_pass)
             record.values = state.kernels.finish([x.buffer for x in exchanges], state.residual_buffer, record.entries,
                                                  reduced, kept, ok, good, pieces)
