@@ -86,21 +86,21 @@ TIMER = Timer()
 
 def instrument() -> None:
     """Wrap the core's pieces (module attributes, so the hook and the state call the wrappers)."""
-    import scape_core.hook as hook
+    import scape_core.exchange as exchange
     import scape_core.selection as selection
     import scape_core.state as state
     from scape_core import AdamS, ScapeAdamS
 
-    TIMER.wrap(hook, "stage", "compact")  # eager kernels: per bucket
-    TIMER.wrap(hook, "stage_step", "compact")  # compiled kernels: every bucket at once
-    TIMER.wrap(hook, "finish_step", "finish")
+    TIMER.wrap(exchange, "stage", "compact")  # eager kernels: per bucket
+    TIMER.wrap(exchange, "stage_all", "compact")  # compiled kernels: every bucket at once
+    TIMER.wrap(exchange, "finish", "finish")
     TIMER.wrap(selection, "select", "topk")  # inside MaskSelector.choose
     TIMER.wrap(selection.MaskSelector, "choose", "select")
     TIMER.wrap(selection.MaskSelector, "finish_pending", "mask_wait")
     TIMER.wrap(state.ScapeState, "end_step", "end_step")
     TIMER.wrap(ScapeAdamS, "_sparse", "optimizer")
     TIMER.wrap(AdamS, "step", "adams_step")  # ScapeAdamS overrides step: this is dense only
-    TIMER.wrap(hook.dist, "all_reduce", "allreduce_launch")
+    TIMER.wrap(exchange.dist, "all_reduce", "allreduce_launch")
     TIMER.wrap(selection, "all_gather_into_tensor", "gather_launch")  # inside choose (scores read per rank)
 
 

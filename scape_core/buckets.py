@@ -1,16 +1,23 @@
-"""DDP's buckets as ``scape_hook`` sees them, and the record of one step it leaves for the optimizer.
+"""The regions a step's gradients are synchronized in, and the record of one step: the hand-off
+from the hooks to the optimizer.
 
-- :class:`Buckets`: each bucket resolved once (its parameters' gradient views, and where a
-  flat coordinate sits in the bucket's buffer), rebuilt when DDP rebuilds its buckets.
-- :class:`Exchange`: one bucket's part of a sparse step's exchange (its entries, their positions
-  in the bucket, the future DDP waits on).
-- :class:`StepRecord`: what the hook did during the current backward (which gradients it
-  synchronized, the step's compact buffer filled bucket by bucket, each bucket's finiteness
-  verdict, the exchanged means), read by ``ScapeAdamS`` to apply the step: it gathers the
-  synchronized sums from the buckets, writes the update into them and puts the sums back.
+- :class:`Buckets`: each region resolved once (its parameters' gradient views, and where a flat
+  coordinate sits in the region's buffer). A region is a DDP bucket (rebuilt when DDP rebuilds
+  its buckets) or an FSDP2 parameter group's reduce-scatter output.
+- :class:`Exchange`: one region's part of a sparse exchange (its entries, their positions in
+  the region, the future DDP waits on).
+- :class:`StepRecord`: one exchange (:mod:`scape_core.exchange`), and what the hooks did during
+  the current backward (which gradients they synchronized, each region's finiteness verdict, the
+  exchanged means), read by the optimizer to apply the step: it gathers the synchronized sums
+  from the regions, writes the update into them and puts the sums back.
 
-Everything a completion callback (gloo's thread) writes into is created beforehand on the
-hook's thread; the callbacks only fill disjoint spans and append verdicts.
+Who writes what: the hooks (through :mod:`scape_core.exchange`) write ``send``, ``values``,
+``finite`` and the regions' buffers during the backward, and the residual there; the optimizer
+reads the record, writes the update into the regions and the gradients back, and returns to the
+residual what it did not apply (:meth:`StepRecord.return_unapplied`); the state replaces the
+record at the end of the step. Everything a completion callback (gloo's thread) writes into is
+created beforehand on the hook's thread; the callbacks only fill disjoint spans and append
+verdicts.
 """
 
 from __future__ import annotations
@@ -68,31 +75,40 @@ class Buckets:
             kind = "sparse" if buffer.is_sparse else buffer.dtype
             raise TypeError(f"scape_hook needs dense floating-point gradients; {names} have {kind} gradients "
                             "(use nn.Embedding(sparse=False))")
-        names, grads, offsets, rows, shifts = [], [], [], [], []
+        names = [self.names[id(p)] for p in bucket.parameters()]
+        grads = list(bucket.gradients())
+        offsets = [g.storage_offset() - buffer.storage_offset() for g in grads]  # where each starts in the bucket
+        return self.region(key, names, grads, offsets)
+
+    def region(self, key: tuple[int, int], names: list[str], grads: list[Tensor], offsets: list[int]) -> BucketPlan:
+        """Resolve a region: parameters ``names`` whose gradients ``grads`` (views shaped like each
+        parameter's, or its local shard's) start at ``offsets`` in the region's flat buffer.
+        ``key``: the region's index and its buffer's address (a plan overlapping it is dropped)."""
+        found = self.plans.get(key)
+        if found is not None:
+            return found
+        rows, shifts = [], []
         layout = self.layout
-        for p, g in zip(bucket.parameters(), bucket.gradients()):
-            name = self.names[id(p)]
-            names.append(name)
-            grads.append(g.view(-1))
+        for name, g, offset in zip(names, grads, offsets):
             self.views[name] = g  # shaped like the parameter: the optimizer reads and writes through it
-            offset = g.storage_offset() - buffer.storage_offset()  # where the gradient starts in the bucket
-            offsets.append(offset)
             first = layout.first_row[name]
             rows.append(torch.arange(first, first + layout.nrows[name]))
             shifts.append(torch.full((layout.nrows[name],), offset - first * layout.chunk))
         self.row_shift.index_copy_(0, torch.cat(rows).to(self.row_shift.device),
                                    torch.cat(shifts).to(self.row_shift.device))
         for stale in [k for k, old in self.plans.items() if not set(old.names).isdisjoint(names)]:
-            del self.plans[stale]  # DDP rebuilt its buckets: the old plan would keep the old buffer alive
-        found = self.plans[key] = BucketPlan(tuple(names), grads, tuple(offsets))
+            del self.plans[stale]  # rebuilt (DDP's buckets, FSDP's new output): the old plan would keep it alive
+        found = self.plans[key] = BucketPlan(tuple(names), [g.view(-1) for g in grads], tuple(offsets))
         return found
 
-    def staging(self, plans: tuple[BucketPlan, ...], shape: MaskShape) -> "Staging":
-        """The step-wide plan of a sparse step whose buckets are ``plans`` (in hook order), at ``shape``'s density."""
-        key = (tuple(id(p) for p in plans), shape.density)
+    def staging(self, plans: tuple[BucketPlan, ...], shape: MaskShape,
+                base: list[tuple[int, int]] | None = None) -> "Staging":
+        """The plan of an exchange whose regions are ``plans`` (in hook order), at ``shape``'s density;
+        ``base``: the exchange's spans of the mask's entries (``None``: all of them)."""
+        key = (tuple(id(p) for p in plans), shape.density, None if base is None else tuple(base))
         if key not in self._staging:
-            self._staging = {k: v for k, v in self._staging.items() if k[0] == key[0]}  # DDP rebuilt: drop the old
-            self._staging[key] = Staging(self.layout, plans, shape)
+            self._staging = {k: v for k, v in self._staging.items() if k[0] == key[0] or k[2] != key[2]}  # rebuilt
+            self._staging[key] = Staging(self.layout, plans, shape, base)
         return self._staging[key]
 
     def positions(self, entries: Tensor) -> Tensor:
@@ -113,12 +129,13 @@ class Buckets:
 
 
 class Staging:
-    """Where every mask entry sits in DDP's buckets, for the compiled step-wide passes
+    """Where every entry of an exchange sits in its regions, for the compiled passes
     (:func:`scape_core.kernels.stage_pass`, :func:`scape_core.kernels.finish_pass`).
 
-    ``pieces``: ``(bucket, lo, hi, shift)`` in entry order: entries ``[lo, hi)`` of the mask are the
-    bucket's coordinates ``flat index - shift``. Built once per bucket structure and density; plain
-    ints, so a compiled pass bakes them in.
+    ``pieces``: :data:`RegionPiece` in entry order: entries ``[lo, hi)`` of the exchange are the
+    region's coordinates ``flat index - shift``. ``base``: the exchange's spans of the mask's
+    entries (``None``: every entry, in mask order). Built once per region structure and density;
+    plain ints, so a compiled pass bakes them in.
 
     Example:
         >>> layout = FlatLayout({"w": torch.zeros(20), "b": torch.zeros(3)}, chunk=8)
@@ -127,17 +144,40 @@ class Staging:
         ((0, 0, 5, -3), (0, 5, 6, 24))
     """
 
-    def __init__(self, layout: FlatLayout, plans: tuple[BucketPlan, ...], shape: MaskShape) -> None:
+    def __init__(self, layout: FlatLayout, plans: tuple[BucketPlan, ...], shape: MaskShape,
+                 base: list[tuple[int, int]] | None = None) -> None:
         pieces = []
         for j, plan in enumerate(plans):
             for name, offset in zip(plan.names, plan.offsets):
                 start = layout.first_row[name] * layout.chunk
-                pieces += [(lo, j, hi, start - offset) for lo, hi in shape.ranges((name,))]
+                pieces += [(local(base, lo), j, local(base, lo) + hi - lo, start - offset)
+                           for lo, hi in shape.ranges((name,))]
         pieces.sort()
         covered = sum(hi - lo for lo, _, hi, _ in pieces)
-        if covered != shape.entries:  # every synchronized parameter is in exactly one bucket
-            raise RuntimeError(f"the buckets hold {covered} of the mask's {shape.entries} entries")
-        self.pieces = tuple((j, lo, hi, shift) for lo, j, hi, shift in pieces)
+        total = shape.entries if base is None else sum(hi - lo for lo, hi in base)
+        if covered != total:  # every synchronized parameter is in exactly one region
+            raise RuntimeError(f"the regions hold {covered} of the exchange's {total} entries")
+        self.pieces: tuple[RegionPiece, ...] = tuple((j, lo, hi, shift) for lo, j, hi, shift in pieces)
+
+
+RegionPiece = tuple[int, int, int, int]  # (region, first entry, end entry, shift): see Staging
+
+
+def local(base: list[tuple[int, int]] | None, at: int) -> int:
+    """Where entry ``at`` of the mask sits in an exchange of the mask's spans ``base`` (``None``: all).
+
+    Example:
+        >>> local([(2, 4), (10, 12)], 11), local(None, 11)
+        (3, 11)
+    """
+    if base is None:
+        return at
+    offset = 0
+    for lo, hi in base:
+        if lo <= at < hi:
+            return offset + at - lo
+        offset += hi - lo
+    raise ValueError(f"entry {at} is outside the exchange's spans {base}")
 
 
 @dataclass
@@ -155,35 +195,57 @@ class Exchange:
 
 @dataclass
 class StepRecord:
-    """What the hook recorded during the current step's backward, for the optimizer step."""
+    """One sparse exchange and what the hooks recorded during the current step's backward, for the
+    optimizer step (DDP: the step's one exchange; FSDP2: the step, each group's exchange absorbed)."""
 
     buckets: Buckets
     synced: set[str] = field(default_factory=set)
-    finite: list[Tensor] = field(default_factory=list)  # one 0-dim bool per bucket: its reduced values are finite
-    values: Tensor | None = None  # sparse: the mean exchanged at each mask entry (0 where a bucket was not finite)
-    send: Tensor | None = None  # sparse: a_r = g_r + e_r at each mask entry (fp32), what this rank sends
-    exchanges: list[Exchange] = field(default_factory=list)  # sparse: one per bucket
-    entries: Tensor | None = None  # sparse: the mask's flat entries
-    staging: Staging | None = None  # sparse, compiled kernels: where the entries sit in the buckets
+    finite: list[Tensor] = field(default_factory=list)  # one 0-dim bool per region: its reduced values are finite
+    values: Tensor | None = None  # sparse: the mean exchanged at each entry (0 where a region was not finite)
+    send: Tensor | None = None  # sparse: a_r = g_r + e_r at each entry (fp32), what this rank sends
+    exchanges: list[Exchange] = field(default_factory=list)  # sparse: one per region
+    entries: Tensor | None = None  # sparse: the flat indices of the exchange's entries
+    staging: Staging | None = None  # sparse, compiled kernels: where the entries sit in the regions
     applied_names: list[str] = field(default_factory=list)  # parameters with a gradient at the optimizer step
+    base: list[tuple[int, int]] | None = None  # the exchange's spans of the mask's entries (None: every entry)
+    dtype: torch.dtype | None = None  # the native wire's (None: the buckets')
+    returns_skipped: bool = True  # its finish returns a skipped step's means (one exchange per step)
+    already: str = ("scape_hook synchronized the same gradients twice without ScapeAdamS.step() in between (e.g. "
+                    "{name!r}): every sync flushes residuals that only the SCAPE optimizer applies. Use "
+                    "ScapeAdamS, and accumulate gradients under ddp.no_sync().")
+
+    def open(self, entries: Tensor, staged: bool = True) -> None:
+        """The exchange's entries are known (on the hook's thread, before any callback can run);
+        ``staged``: :func:`scape_core.exchange.stage` fills ``send`` (eager), so it exists now."""
+        if self.entries is None:
+            self.entries = entries
+            if staged:
+                self.values = torch.zeros(entries.numel(), device=entries.device)
+                self.send = torch.zeros(entries.numel(), device=entries.device)
+
+    def absorb(self, part: "StepRecord", spans: list[tuple[int, int]], entries: Tensor) -> None:
+        """A region exchanged on its own (FSDP2: each parameter group in its hook) joins the step:
+        its spans become ``spans`` of the mask's ``entries``; a skipped step's means then go back
+        in the optimizer (:meth:`return_unapplied`), once every region's verdict is known."""
+        self.returns_skipped = False
+        if self.values is None:
+            self.entries = entries
+            self.values = torch.zeros(entries.numel(), device=entries.device)
+        scatter_spans(self.values, spans, part.values)
+        for x in part.exchanges:
+            x.spans, x.entries = spans, part.entries
+        self.exchanges += part.exchanges
+        self.finite += part.finite
 
     def sync(self, names: tuple[str, ...]) -> None:
         """A bucket's gradients are being synchronized; refuses a second sync before the optimizer step."""
         again = self.synced.intersection(names)
         if again:
-            raise RuntimeError(
-                "scape_hook synchronized the same gradients twice without ScapeAdamS.step() in "
-                f"between (e.g. {sorted(again)[0]!r}): every sync flushes residuals that only the "
-                "SCAPE optimizer applies. Use ScapeAdamS, and accumulate gradients under ddp.no_sync()."
-            )
+            raise RuntimeError(self.already.format(name=sorted(again)[0]))
         self.synced.update(names)
 
-    def add_exchange(self, exchange: Exchange, total: int) -> None:
-        """A sparse bucket joins the step's exchange (on the hook's thread, before any callback can
-        run): the step's buffers (``total``: the mask's entries) exist from the first one on."""
-        if self.values is None:
-            self.values = torch.zeros(total, device=exchange.entries.device)
-            self.send = torch.zeros(total, device=exchange.entries.device)
+    def add_exchange(self, exchange: Exchange) -> None:
+        """A region joins the exchange (its buffers exist: :meth:`open`)."""
         self.exchanges.append(exchange)
 
     def located(self, x: Exchange) -> Tensor:
@@ -196,22 +258,22 @@ class StepRecord:
     def return_unapplied(self, residual: Tensor | None, entries: Tensor, applied: Tensor) -> None:
         """Exchanged values not applied go back into ``residual``: nothing sent is lost. ``applied``:
         bool, 0-dim or per entry (the optimizer's: entries of parameters that had no gradient at
-        the step; the hook already returned a skipped step's, :func:`scape_core.hook.finish_bucket`)."""
+        the step; the hook already returned a skipped step's, :func:`scape_core.exchange.finish_region`)."""
         if self.values is not None and residual is not None:
             residual.view(-1).index_add_(0, entries, self.values.masked_fill(applied, 0.0))
 
-    def gather_gradients(self, params: list[Tensor], entries: int) -> Tensor:
-        """The synchronized gradient at every mask entry, read from ``p.grad`` (fp32).
+    def gather_gradients(self, names: list[str], grads: list[Tensor], entries: int) -> Tensor:
+        """The synchronized gradient at every mask entry, read from the gradients ``grads`` of
+        ``names`` (``p.grad``, or its local shard) (fp32).
 
         Reads ``p.grad``, not what the hook received, so gradient clipping or scaling between
-        backward and step applies. A ``p.grad`` that is not its bucket's own memory
-        (``gradient_as_bucket_view=False``, or replaced) is first copied into the bucket.
+        backward and step applies. A gradient that is not its region's own memory
+        (``gradient_as_bucket_view=False``, or replaced) is first copied into the region.
         """
-        views, names = self.buckets.views, self.buckets.names
-        elsewhere = [(views[names[id(p)]], p.grad) for p in params
-                     if p.grad.data_ptr() != views[names[id(p)]].data_ptr()]
+        views = self.buckets.views
+        elsewhere = [(views[n], g) for n, g in zip(names, grads) if g.data_ptr() != views[n].data_ptr()]
         if elsewhere:
-            torch._foreach_copy_([v for v, _ in elsewhere], [g for _, g in elsewhere])
+            torch._foreach_copy_([v for v, _ in elsewhere], [g.view_as(v) for v, g in elsewhere])
         values = torch.empty(entries, device=self.buckets.layout.device)
         for x in self.exchanges:
             scatter_spans(values, x.spans, x.buffer.index_select(0, self.located(x)))

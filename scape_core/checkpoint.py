@@ -10,8 +10,8 @@
 At the same world size every rank gets its own residual back; at another, every rank starts
 from the old ranks' mean residual (the global unsent gradient is kept), with a warning.
 
-It reads and restores a state through ``ScapeState``'s public pieces only (its selector, its
-buffers, :meth:`~scape_core.ScapeState.reset_sparse`) and imports no module that imports it.
+It reads a state through ``ScapeState``'s public pieces, restores it through
+:meth:`~scape_core.state.ScapeStateBase.restore`, and imports no module that imports it.
 """
 
 from __future__ import annotations
@@ -140,21 +140,16 @@ def _restore(state: "ScapeState", saved: dict[str, Any], residual: dict[str, Ten
     if saved_world != state.world_size and state.rank == 0:  # once per load, on one rank
         warnings.warn(f"resuming SCAPE state saved at world size {saved_world} on world size {state.world_size}: "
                       "every rank starts from the mean residual", stacklevel=3)
-    layout, device = state.layout, state.layout.device
-    state.selector.load({int(s): Mask(float(m["density"]), m["cols"].to(device=device, dtype=torch.int16))
-                         for s, m in saved["masks"].items()})
-    state.step = int(saved["step"])
-    state.reset_sparse(bool(saved.get("sparse_started")))
-    if state.residual_buffer is not None:
-        for name, v in residual.items():
-            layout.view(state.residual_buffer, name).copy_(v.reshape(-1))
-    if state.window_buffer is not None:  # whole windows (this rank takes its part), or this rank's part
-        part = state.shard.part if "windows_rows" not in saved else lambda v, name: v.reshape(-1)
-        for name, v in saved.get("windows", {}).items():
-            state.shard.view(state.window_buffer, name).copy_(part(v, name))
+    device = state.layout.device
+    windows = saved.get("windows", {})
+    if "windows_rows" not in saved:  # whole windows: this rank takes its part of each
+        windows = {name: state.shard.part(v, name) for name, v in windows.items()}
     counters = dict(saved["counters"])
-    state.skipped.fill_(int(counters.pop("skipped_steps", 0)))
-    state.counters.update(counters)
+    skipped = int(counters.pop("skipped_steps", 0))
+    state.restore(masks={int(s): Mask(float(m["density"]), m["cols"].to(device=device, dtype=torch.int16))
+                         for s, m in saved["masks"].items()},
+                  step=int(saved["step"]), sparse_started=bool(saved.get("sparse_started")), counters=counters,
+                  skipped=skipped, residual=residual, windows=windows)
 
 
 def save_checkpoint(path: str | os.PathLike, state: "ScapeState", *, arrival_timeout: float | None = None,

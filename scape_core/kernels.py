@@ -123,7 +123,7 @@ def finish_pass(buffers: list[Tensor], residual: Tensor | None, entries: Tensor,
     at once: the residual keeps ``kept`` (or 0) at the entries of buckets that went through
     (``good``, per entry; ``ok``, per bucket), plus their means if the step is skipped (a bucket not
     ``ok``); every bucket gets the mean at the mask's entries. Returns the means (fp32; 0 in a
-    dropped bucket). As :func:`scape_core.hook.finish_bucket`.
+    dropped bucket). As :func:`scape_core.exchange.finish_region`.
 
     The residual's add is a graph of its own (:func:`residual_pass`) and the zeroing an eager
     multi-tensor operator. In this graph an add into each parameter's slice of the residual (which

@@ -11,7 +11,7 @@ from scape_core import checkpoint
 from scape_core.adams import MOMENTUM, AdamS, check_grad
 from scape_core.checkpoint import every_rank_arrives
 from scape_core.masks import Mask
-from scape_core.state import ScapeState
+from scape_core.state import ScapeState, ScapeStateBase
 from scape_core.update_rules import UPDATE_RULES
 
 
@@ -68,9 +68,8 @@ class ScapeAdamS(AdamS):
         *,
         foreach: bool | None = None,
     ) -> None:
-        if not isinstance(state, ScapeState):
-            raise TypeError(f"state must be the ScapeState registered with scape_hook, got {type(state).__name__}")
-        self.scape = state
+        self._check_state(state)
+        self.scape: ScapeStateBase = state
         self.rule = UPDATE_RULES[state.config.update]
         self._names: dict[Tensor, str] = {}  # filled by add_param_group
         self.momentum_buffer = state.shard.zeros()  # m of the state's shard (every row unless sharded), fp32
@@ -82,23 +81,43 @@ class ScapeAdamS(AdamS):
         self.kernels = state.kernels  # one set of compiled passes per state
         state.optimizer = self
 
+    _every_gradient = False  # whether a sparse step needs every parameter's gradient
+
+    @staticmethod
+    def _check_state(state: Any) -> None:
+        if not isinstance(state, ScapeState):
+            raise TypeError(f"state must be the ScapeState registered with scape_hook, got {type(state).__name__}")
+
+    # what the step reads and writes of a parameter on this rank: the tensor itself (DDP: replicated)
+    @staticmethod
+    def _local(p: Tensor) -> Tensor:
+        return p
+
+    @staticmethod
+    def _grad(p: Tensor) -> Tensor:
+        return p.grad
+
+    def _unknown(self, p: Tensor) -> str:
+        """What to say of a trainable parameter the state does not synchronize."""
+        return (f"a parameter of shape {tuple(p.shape)} is not synchronized by the model of this ScapeState "
+                "(added after DDP was built, or not part of the DDP model?)")
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """As torch's, but every trainable parameter must be one the state's DDP model synchronizes."""
+        """As torch's, but every trainable parameter must be one the state's model synchronizes."""
         super().add_param_group(param_group)
         for p in self.param_groups[-1]["params"]:
             if id(p) in self.scape.names:
                 self._names[p] = self.scape.names[id(p)]
                 self._install_views(p)
             elif p.requires_grad:
-                raise ValueError(f"a parameter of shape {tuple(p.shape)} is not synchronized by the model of "
-                                 "this ScapeState (added after DDP was built, or not part of the DDP model?)")
+                raise ValueError(self._unknown(p))
 
     def _install_views(self, p: Tensor) -> None:
         shard, name = self.scape.shard, self._names[p]
         self.state[p]["step"] = self.steps  # one counter shared by every parameter
         for key, buffer in {MOMENTUM: self.momentum_buffer, **self.statistics}.items():
             view = shard.view(buffer, name)
-            self.state[p][key] = view.view_as(p) if shard.whole else view  # sharded: this rank's part, flat
+            self.state[p][key] = view.view_as(self._local(p)) if shard.whole else view  # sharded: this rank's part
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """As torch's, with ``m`` and the rule's statistics copied into the flat fp32 buffers.
@@ -116,9 +135,10 @@ class ScapeAdamS(AdamS):
                     continue
                 if key == "step":  # the step counter is shared: every parameter saved the same
                     view.copy_(saved[key])
-                elif saved[key].numel() != p.numel():
+                elif saved[key].numel() != self._local(p).numel():
                     raise ValueError(f"optimizer state {key!r} of {name!r} has {saved[key].numel()} values for a "
-                                     f"parameter of {p.numel()}: save with state_dict() (it gathers every shard)")
+                                     f"parameter of {self._local(p).numel()}: save with state_dict() (it gathers "
+                                     "every shard)")
                 else:
                     view.view(-1).copy_(self.scape.shard.part(saved[key], name))
 
@@ -191,6 +211,8 @@ class ScapeAdamS(AdamS):
             groups.append((group, params))
         mask, skip = self.scape.begin_step(names)
         self._consolidated = None
+        if mask is not None and self._every_gradient and len(names) != len(self._names):
+            raise RuntimeError("a sparse SCAPE step needs a gradient for every trainable parameter")
         self.steps += 1
         beta1, beta2, eps = self._shared_hyperparameters(groups)
         if mask is None:
@@ -204,8 +226,8 @@ class ScapeAdamS(AdamS):
         found = {(*g["betas"], g["eps"]) for g, params in groups if params} or {(*self.defaults["betas"],
                                                                                  self.defaults["eps"])}
         if len(found) > 1 and not self.scape.schedule.dense:
-            raise ValueError(f"ScapeAdamS needs the same betas and eps in every parameter group (got (beta1, beta2, "
-                             f"eps) = {sorted(found)}); lr and weight_decay may differ per group")
+            raise ValueError(f"{type(self).__name__} needs the same betas and eps in every parameter group (got "
+                             f"(beta1, beta2, eps) = {sorted(found)}); lr and weight_decay may differ per group")
         return next(iter(found))
 
     def _dense(self, groups: list[tuple[dict[str, Any], list[Tensor]]], skip: Tensor) -> None:
@@ -220,8 +242,10 @@ class ScapeAdamS(AdamS):
             if not shard.whole:
                 params = [p for p in params if self.state[p][MOMENTUM].numel()]  # with coordinates here
             names = [self._names[p] for p in params]
-            values = params if shard.whole else [shard.part(p.detach(), n) for p, n in zip(params, names)]
-            grads = [p.grad for p in params] if shard.whole else [shard.part(p.grad, n) for p, n in zip(params, names)]
+            values = [self._local(p) for p in params] if shard.whole else [shard.part(p.detach(), n)
+                                                                           for p, n in zip(params, names)]
+            grads = [self._grad(p) for p in params] if shard.whole else [shard.part(p.grad, n)
+                                                                         for p, n in zip(params, names)]
             run(values, grads, [self.state[p][MOMENTUM] for p in params], lr=group["lr"],
                 beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"])
         if self.scape.sharded:
@@ -230,38 +254,40 @@ class ScapeAdamS(AdamS):
     def _sparse(self, groups: list[tuple[dict[str, Any], list[Tensor]]], mask: Mask, skip: Tensor,
                 all_have_grad: bool, **hp: float) -> None:
         """The masked update: a fixed number of kernels per group and bucket, decided on the device."""
-        scape = self.scape
+        scape, record = self.scape, self.scape.record
         entries = mask.flat(scape.layout)
         with_grad = [p for _, params in groups for p in params]
-        fused = scape.kernels.compiled and all_have_grad and self._contiguous(with_grad)
+        values, grads = [self._local(p) for p in with_grad], [self._grad(p) for p in with_grad]
+        fused = scape.kernels.compiled and all_have_grad and self._contiguous(values, grads)
         if fused:
             pieces = scape.layout.mask_shape(mask.density).pieces([self._names[p] for p in with_grad])
             decay, scale = self._decay_and_scale(groups, skip, entries.device)
             if not scape.sharded:  # the whole optimizer half in one compiled pass
-                scape.kernels.sparse_step(self.rule, with_grad, [p.grad for p in with_grad], self.momentum_buffer,
-                                          self.statistics, scape.window_buffer, entries, ~skip, scape.step, decay,
-                                          scale, pieces, **hp)
-                return
-            s = scape.kernels.gather([p.grad for p in with_grad], entries, pieces)  # read in place from p.grad
-        else:
-            s = scape.record.gather_gradients(with_grad, entries.numel())  # the window sums, read back from p.grad
-        applied = ~skip if all_have_grad else self._entries_with_grad(with_grad, entries, ~skip)
-        u = self._masked_update(mask, s, applied, hp)
-        if fused:  # decay and update in place, one pass over the parameters: the buckets are not written
-            scape.kernels.update(with_grad, entries, u, decay, scale, pieces)
-        else:
+                scape.kernels.sparse_step(self.rule, values, grads, self.momentum_buffer, self.statistics,
+                                          scape.window_buffer, entries, ~skip, scape.step, decay, scale, pieces, **hp)
+            else:
+                s = scape.kernels.gather(grads, entries, pieces)  # read in place from p.grad
+                u = self._masked_update(mask, s, ~skip, hp)
+                scape.kernels.update(values, entries, u, decay, scale, pieces)  # in place: the regions not written
+        else:  # the window sums, read back from p.grad
+            s = record.gather_gradients([self._names[p] for p in with_grad], grads, entries.numel())
+            applied = ~skip if all_have_grad else self._entries_with_grad(with_grad, entries, ~skip)
+            u = self._masked_update(mask, s, applied, hp)
             keep = (~skip).float()
-            scape.record.scatter_update(u)  # the bucket buffers now hold u on the mask
+            record.scatter_update(u)  # the regions' buffers now hold u on the mask
             for group, params in groups:
                 if not params:
                     continue
+                local = [self._local(p) for p in params]
                 if group["weight_decay"]:  # every coordinate, every applied step (1 on a skipped one)
-                    torch._foreach_mul_(params, keep.mul(-group["lr"] * group["weight_decay"]).add_(1.0))
+                    torch._foreach_mul_(local, keep.mul(-group["lr"] * group["weight_decay"]).add_(1.0))
                 deltas = [scape.buckets.views[self._names[p]] for p in params]
-                torch._foreach_add_(params, deltas, alpha=-group["lr"])
-            scape.record.restore_gradients(s)
-        if not all_have_grad:  # a skipped step's values went back in the hook (finish_bucket); these did not
-            scape.record.return_unapplied(scape.residual_buffer, entries, applied | skip)
+                torch._foreach_add_(local, deltas, alpha=-group["lr"])
+            record.restore_gradients(s)
+            if not all_have_grad:  # a skipped step's values went back at the finish; these did not
+                record.return_unapplied(scape.residual_buffer, entries, applied | skip)
+        if not record.returns_skipped:  # exchanged region by region: what a skipped step sent goes back now
+            record.return_unapplied(scape.residual_buffer, entries, ~skip)
 
     def _decay_and_scale(self, groups: list[tuple[dict[str, Any], list[Tensor]]], skip: Tensor,
                          device: torch.device) -> tuple[list[Tensor | None], list[Tensor]]:
@@ -278,9 +304,9 @@ class ScapeAdamS(AdamS):
         return decay, scale
 
     @staticmethod
-    def _contiguous(params: list[Tensor]) -> bool:
+    def _contiguous(values: list[Tensor], grads: list[Tensor]) -> bool:
         """Whether every parameter and gradient is one dense block (the compiled passes index them flat)."""
-        return all(p.is_contiguous() and p.grad.is_contiguous() for p in params)
+        return all(p.is_contiguous() and g.is_contiguous() for p, g in zip(values, grads))
 
     def _masked_update(self, mask: Mask, s: Tensor, applied: Tensor, hp: dict[str, float]) -> Tensor:
         """The rule on the entries whose state this rank keeps; returns ``u`` for every entry (0 where

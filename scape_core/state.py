@@ -43,20 +43,81 @@ def scape_metrics(stats: dict[str, float]) -> dict[str, float]:
     return {f"scape/{name}": float(stats[name]) for name in LOGGED}
 
 
-class SparseBuffers:
-    """What both states (:class:`ScapeState`, :class:`~scape_core.fsdp.ScapeFSDPState`) keep for
-    sparse steps: the scheduled masks, and the buffers made at the first sparse step, the residual
-    (every row) and the windows (the rows of :attr:`shard`, whose optimizer state this rank keeps)."""
+class ScapeStateBase:
+    """What every SCAPE state (:class:`ScapeState` for DDP, :class:`~scape_core.fsdp.ScapeFSDPState`
+    for FSDP2) keeps and does: the configuration, the flat layout, the scheduled masks, the step's
+    record (:class:`~scape_core.buckets.StepRecord`, the hooks' hand-off to the optimizer), the
+    buffers made at the first sparse step (the residual, every row; the windows, the rows of
+    :attr:`shard`, whose optimizer state this rank keeps), the counters, and a step's begin and end.
+
+    Who writes what: the hooks (:mod:`scape_core.exchange`) write the residual and the record; the
+    optimizer writes ``m``, its statistics and the windows (at the mask's entries); :meth:`end_step`
+    advances the step and has the selector choose the next masks; :meth:`restore` writes a loaded
+    state. A subclass sets the attributes below in its ``__init__``.
+    """
 
     config: ScapeConfig
     layout: FlatLayout
-    shard: Shard
     selector: MaskSelector
     schedule: MaskSchedule
+    kernels: Kernels
+    buckets: Buckets
+    record: StepRecord
+    shards: ShardExchange
+    sharded: bool
+    counters: dict[str, int]
+    process_group: dist.ProcessGroup | None
+    world_size: int
+    rank: int
+    params: dict[str, Tensor]
     step: int
+    skipped: Tensor
+    streak: SkipStreak
     residual_buffer: Tensor | None
     window_buffer: Tensor | None
     _sparse: bool
+
+    def _configure(self, sparsity: float | None, config: ScapeConfig | None, fields: dict[str, Any]) -> None:
+        """``config`` (or the defaults) with ``sparsity`` and ``fields`` over it."""
+        if config is not None and not isinstance(config, ScapeConfig):
+            raise TypeError(f"config must be a ScapeConfig, got {type(config).__name__}")
+        if sparsity is not None:
+            fields["sparsity"] = sparsity
+        self.config = (config or ScapeConfig()).replace(**fields)
+        self.schedule = self.config.schedule
+
+    def _build(self, params: dict[str, Tensor], local: dict[str, Tensor], dtype: torch.dtype) -> None:
+        """The layout of ``local`` (each parameter's tensor on this rank, by name), the kernels, the
+        counters, the selector, the regions and the buffers; ``dtype``: the native wire's."""
+        self.params = params
+        self.names = {id(p): n for n, p in params.items()}
+        self.layout = FlatLayout(local, self.config.chunk_size)
+        self.kernels = Kernels(self.config.kernels)  # the passes over every coordinate, eager or compiled
+        self.sharded = self.config.shard_optimizer
+        # shard_bytes: the sharded mode's all-gathers of updates and parameters (also in bytes_sent)
+        self.counters = dict(steps=0, hook_calls=0, values_sent=0, bytes_sent=0, mask_bytes=0, dense_bytes=0,
+                             shard_bytes=0)
+        group = dict(rank=self.rank, world_size=self.world_size, process_group=self.process_group,
+                     counters=self.counters)
+        # both build their plans now: their first use reads the device once
+        self.selector = MaskSelector(self.layout, self.config, kernels=self.kernels, **group)
+        self.shards = ShardExchange(self.layout, sharded=self.sharded, densities=self.schedule.densities(), **group)
+        self.buckets = Buckets(self.layout, self.names, self.config.resolved_wire, self.world_size,
+                               self.config.wire_block, dtype=dtype)
+        self.record = self.new_record()
+        self.step = 0  # optimizer steps taken (skipped ones included)
+        self._sparse = False
+        self.residual_buffer: Tensor | None = None  # (rows, chunk) fp32, this rank's unsent gradient
+        # (shard rows, chunk) fp32 (exact to 2^24 steps): the step each coordinate was last exchanged at
+        self.window_buffer: Tensor | None = None
+        self.skipped = torch.zeros((), dtype=torch.long, device=self.layout.device)  # on the device: no host read
+        self.streak = SkipStreak(self.config.skip_streak_warning, self.rank, self.layout.device)
+        self.optimizer: Any = None
+
+    @property
+    def shard(self) -> Shard:
+        """The rows whose ``m``, rule statistics and windows this rank keeps (every row unless sharded)."""
+        return self.shards.shard
 
     def is_dense(self, step: int) -> bool:
         """Whether ``step`` exchanges every coordinate (warm-up or ``sparsity == 0``)."""
@@ -84,8 +145,123 @@ class SparseBuffers:
         if self.window_buffer is None and self.config.keeps_windows:  # the warm-up exchanged everything
             self.window_buffer = self.shard.zeros().fill_(self.step - 1)
 
+    def reset_sparse(self, started: bool) -> None:
+        """Drop the sparse buffers (a state is being loaded) and make them anew, zeroed, if ``started``."""
+        self.residual_buffer = self.window_buffer = None
+        self._sparse = False
+        self.buckets.forget_residual_views()
+        if started:
+            self.start_sparse()
+            for buffer in (self.residual_buffer, self.window_buffer):
+                if buffer is not None:
+                    buffer.zero_()
 
-class ScapeState(SparseBuffers):
+    def restore(self, *, masks: dict[int, Mask], step: int, sparse_started: bool, counters: dict[str, int],
+                skipped: int, residual: dict[str, Tensor] | Tensor | None,
+                windows: dict[str, Tensor] | Tensor | None) -> None:
+        """Take a loaded state (validated by the caller): the masks, the step, the sparse buffers
+        (``residual`` by name, flat, or the whole buffer; ``windows`` by name as this rank's part of
+        each parameter, or the whole shard buffer), the counters and the skipped steps."""
+        self.selector.load(masks)
+        self.step = int(step)
+        self.reset_sparse(sparse_started)
+        for buffer, saved, view in ((self.residual_buffer, residual, self.layout.view),
+                                    (self.window_buffer, windows, self.shard.view)):
+            if buffer is None or saved is None:
+                continue
+            if isinstance(saved, Tensor):
+                buffer.copy_(saved.to(buffer.device).view_as(buffer))
+            else:
+                for name, v in saved.items():
+                    view(buffer, name).copy_(v.reshape(-1))
+        self.skipped.fill_(int(skipped))
+        self.counters.update(counters)
+
+    def count(self, values: int, nbytes: int, dense_bytes: int) -> None:
+        """Add a collective's values and bytes, and the bytes dense DDP would have sent, to the counters."""
+        self.counters["values_sent"] += values
+        self.counters["bytes_sent"] += nbytes
+        self.counters["dense_bytes"] += dense_bytes
+
+    # ----- the optimizer step ---------------------------------------------------------
+    def begin_step(self, names_with_grad: list[str]) -> tuple[Mask | None, Tensor]:
+        """Check the hooks synchronized every gradient; returns ``(mask or None, skip)``.
+
+        ``skip`` is a 0-dim bool on the device, the same on every rank: True when any region's
+        exchange was not finite.
+        """
+        missing = [n for n in names_with_grad if n not in self.record.synced]
+        if missing:
+            raise RuntimeError(self.unsynchronized(missing))
+        self.record.applied_names = names_with_grad
+        finite = self.record.finite
+        skip = ~torch.stack(finite).all() if finite else torch.zeros((), dtype=torch.bool, device=self.layout.device)
+        return (None if self.is_dense(self.step) else self.masks[self.step]), self.agree(skip)
+
+    def unsynchronized(self, missing: list[str]) -> str:
+        """What to say when the gradients of ``missing`` reached the optimizer unsynchronized."""
+        return f"gradients of {missing[:3]} were not synchronized by SCAPE's hook before the optimizer step"
+
+    def agree(self, skip: Tensor) -> Tensor:
+        """The step's skip verdict as every rank that shares its parameters must see it (DDP: already)."""
+        return skip
+
+    def end_step(self, momentum: Tensor, beta1: float, skip: Tensor) -> None:
+        """Close the step, then select the masks of upcoming steps from ``momentum`` (the shard's rows)."""
+        self.skipped += skip
+        own = [x.finite for x in self.record.exchanges]  # this rank's own verdicts (sparse steps only)
+        self.streak.count(skip, ~torch.stack(own).all() if own else torch.zeros_like(skip), self.step)
+        self.stepped()
+        self.record = self.new_record()
+        done, self.step = self.step, self.step + 1
+        self.counters["steps"] += 1
+        self.selector.after_step(done, momentum, self.residual_buffer, self.window_buffer, beta1)
+        if self.sharded and self.schedule.ramp_densities:
+            self.shards.keep_plans(self.schedule.densities_from(self.step))
+        if self.step % STREAK_CHECK_EVERY == 0:
+            self.streak.poll()
+
+    def stepped(self) -> None:
+        """The optimizer has written this step into the regions (before the record is replaced)."""
+
+    def new_record(self) -> StepRecord:
+        """The record of the next step."""
+        return StepRecord(self.buckets)
+
+    def wait(self) -> None:
+        """Finish SCAPE's in-flight collectives (a mask all-gather, gloo's callbacks); call before
+        ``dist.destroy_process_group()``, which under either can abort the process on gloo."""
+        self.selector.finish_pending()
+        inflight.finish_all()
+
+    # ----- reporting ------------------------------------------------------------------
+    @property
+    def skipped_steps(self) -> int:
+        """Steps skipped for non-finite gradients so far (reads the device: call it between steps)."""
+        return int(self.skipped)
+
+    def stats(self) -> dict[str, float]:
+        """Communication so far on this rank: steps, values/bytes sent, dense bytes, compression, skipped
+        steps and the current streak of consecutive skipped steps (``skipped_streak``). Reads the
+        device: call it between steps, not inside one; it also warns of a long streak (:meth:`check_streak`).
+        At world size 1 nothing travels: every byte counter is 0 and compression 1.0.
+        """
+        c: dict[str, float] = dict(self.counters)
+        if self.world_size == 1:  # a collective over one rank moves nothing
+            c.update(values_sent=0, bytes_sent=0, mask_bytes=0, dense_bytes=0, shard_bytes=0)
+        c["skipped_steps"] = self.skipped_steps
+        c["skipped_streak"] = self.streak.current()
+        c["compression"] = c["dense_bytes"] / c["bytes_sent"] if c["bytes_sent"] else 1.0
+        self.check_streak()
+        return c
+
+    def check_streak(self) -> None:
+        """Warn (rank 0, once per streak) of ``config.skip_streak_warning`` consecutive skipped steps;
+        reads the device (:meth:`stats` calls it). See :class:`~scape_core.streak.SkipStreak`."""
+        self.streak.check()
+
+
+class ScapeState(ScapeStateBase):
     """State of the SCAPE communication hook, shared with its :class:`ScapeAdamS` optimizer.
 
     Register it with the hook, then build the optimizer from it::
@@ -142,12 +318,7 @@ class ScapeState(SparseBuffers):
 
     def __init__(self, model: nn.Module, sparsity: float | None = None, *, config: ScapeConfig | None = None,
                  process_group: dist.ProcessGroup | None = None, **fields: Any) -> None:
-        if config is not None and not isinstance(config, ScapeConfig):
-            raise TypeError(f"config must be a ScapeConfig, got {type(config).__name__}")
-        if sparsity is not None:
-            fields["sparsity"] = sparsity
-        self.config = (config or ScapeConfig()).replace(**fields)
-        self.schedule = self.config.schedule
+        self._configure(sparsity, config, fields)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("ScapeState needs torch.distributed initialized (dist.init_process_group)")
         ddp = check_ddp_model(model)
@@ -157,52 +328,15 @@ class ScapeState(SparseBuffers):
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
         self.watch = DDPWatch(model, self)  # says what happened when gradients arrive unsynchronized
-        self.params = parameter_names(model)
-        if not self.params:
+        params = parameter_names(model)
+        if not params:
             raise ValueError("the model has no trainable parameters")
-        self.names = {id(p): n for n, p in self.params.items()}
-        self.layout = FlatLayout(self.params, self.config.chunk_size)
-        self.kernels = Kernels(self.config.kernels)  # the passes over every coordinate, eager or compiled
-        self.sharded = self.config.shard_optimizer
-        # shard_bytes: the sharded mode's all-gathers of updates and parameters (also in bytes_sent)
-        self.counters = dict(steps=0, hook_calls=0, values_sent=0, bytes_sent=0, mask_bytes=0, dense_bytes=0,
-                             shard_bytes=0)
-        group = dict(rank=self.rank, world_size=self.world_size, process_group=process_group, counters=self.counters)
-        # both build their plans now: their first use reads the device once
-        self.selector = MaskSelector(self.layout, self.config, kernels=self.kernels, **group)
-        self.shards = ShardExchange(self.layout, sharded=self.sharded, densities=self.schedule.densities(), **group)
-        dtypes = {p.dtype for p in self.params.values()}
-        self.buckets = Buckets(self.layout, self.names, self.config.resolved_wire, self.world_size,
-                               self.config.wire_block, dtype=dtypes.pop() if len(dtypes) == 1 else torch.float32)
-        self.record = StepRecord(self.buckets)
-        self.step = 0  # optimizer steps taken (skipped ones included)
-        self._sparse = False
-        self.residual_buffer: Tensor | None = None  # (rows, chunk) fp32, this rank's unsent gradient
-        # (shard rows, chunk) fp32 (exact to 2^24 steps): the step each coordinate was last exchanged at
-        self.window_buffer: Tensor | None = None
-        self.skipped = torch.zeros((), dtype=torch.long, device=self.layout.device)  # on the device: no host read
-        self.streak = SkipStreak(self.config.skip_streak_warning, self.rank, self.layout.device)
-        self.optimizer: Any = None
+        dtypes = {p.dtype for p in params.values()}
+        self._build(params, params, dtypes.pop() if len(dtypes) == 1 else torch.float32)
         if self.world_size == 1:
             warnings.warn(SINGLE_PROCESS, stacklevel=2)
 
-    @property
-    def shard(self) -> Shard:
-        """The rows whose ``m``, rule statistics and windows this rank keeps (every row unless sharded)."""
-        return self.shards.shard
-
-    # ----- buffers and named views ----------------------------------------------------
-    def reset_sparse(self, started: bool) -> None:
-        """Drop the sparse buffers (a state is being loaded) and make them anew, zeroed, if ``started``."""
-        self.residual_buffer = self.window_buffer = None
-        self._sparse = False
-        self.buckets.forget_residual_views()
-        if started:
-            self.start_sparse()
-            for buffer in (self.residual_buffer, self.window_buffer):
-                if buffer is not None:
-                    buffer.zero_()
-
+    # ----- named views --------------------------------------------------------------
     def residual(self, name: str) -> Tensor:
         """This rank's fp32 residual of ``name`` (flat; zeros before the first sparse step)."""
         if self.residual_buffer is None:
@@ -216,73 +350,13 @@ class ScapeState(SparseBuffers):
             return {}
         return {n: self.layout.view(self.residual_buffer, n) for n in self.params}
 
-    def count(self, values: int, nbytes: int, dense_bytes: int) -> None:
-        """Add a collective's values and bytes, and the bytes dense DDP would have sent, to the counters."""
-        self.counters["values_sent"] += values
-        self.counters["bytes_sent"] += nbytes
-        self.counters["dense_bytes"] += dense_bytes
+    def unsynchronized(self, missing: list[str]) -> str:
+        return self.watch.explain(missing)
 
-    # ----- the optimizer step ---------------------------------------------------------
-    def begin_step(self, names_with_grad: list[str]) -> tuple[Mask | None, Tensor]:
-        """Check the hook synchronized every gradient; returns ``(mask or None, skip)``.
-
-        ``skip`` is a 0-dim bool on the device: True when any bucket's exchange was not finite.
-        """
-        missing = [n for n in names_with_grad if n not in self.record.synced]
-        if missing:
-            raise RuntimeError(self.watch.explain(missing))
-        self.record.applied_names = names_with_grad
-        finite = self.record.finite
-        skip = ~torch.stack(finite).all() if finite else torch.zeros((), dtype=torch.bool, device=self.layout.device)
-        return (None if self.is_dense(self.step) else self.masks[self.step]), skip
-
-    def end_step(self, momentum: Tensor, beta1: float, skip: Tensor) -> None:
-        """Close the step, then select the masks of upcoming steps from ``momentum`` (the shard's rows)."""
-        self.skipped += skip
-        own = [x.finite for x in self.record.exchanges]  # this rank's own verdicts (sparse steps only)
-        self.streak.count(skip, ~torch.stack(own).all() if own else torch.zeros_like(skip), self.step)
+    def stepped(self) -> None:
         self.watch.stepped(self.record.applied_names)  # after the optimizer wrote into the buckets
-        self.record = StepRecord(self.buckets)
-        done, self.step = self.step, self.step + 1
-        self.counters["steps"] += 1
-        self.selector.after_step(done, momentum, self.residual_buffer, self.window_buffer, beta1)
-        if self.sharded and self.schedule.ramp_densities:
-            self.shards.keep_plans(self.schedule.densities_from(self.step))
-        if self.step % STREAK_CHECK_EVERY == 0:
-            self.streak.poll()
 
-    def wait(self) -> None:
-        """Finish SCAPE's in-flight collectives (a mask all-gather, gloo's callbacks); call before
-        ``dist.destroy_process_group()``, which under either can abort the process on gloo."""
-        self.selector.finish_pending()
-        inflight.finish_all()
-
-    # ----- reporting and checkpoints --------------------------------------------------
-    @property
-    def skipped_steps(self) -> int:
-        """Steps skipped for non-finite gradients so far (reads the device: call it between steps)."""
-        return int(self.skipped)
-
-    def stats(self) -> dict[str, float]:
-        """Communication so far on this rank: steps, values/bytes sent, dense bytes, compression, skipped
-        steps and the current streak of consecutive skipped steps (``skipped_streak``). Reads the
-        device: call it between steps, not inside one; it also warns of a long streak (:meth:`check_streak`).
-        At world size 1 nothing travels: every byte counter is 0 and compression 1.0.
-        """
-        c: dict[str, float] = dict(self.counters)
-        if self.world_size == 1:  # a collective over one rank moves nothing
-            c.update(values_sent=0, bytes_sent=0, mask_bytes=0, dense_bytes=0, shard_bytes=0)
-        c["skipped_steps"] = self.skipped_steps
-        c["skipped_streak"] = self.streak.current()
-        c["compression"] = c["dense_bytes"] / c["bytes_sent"] if c["bytes_sent"] else 1.0
-        self.check_streak()
-        return c
-
-    def check_streak(self) -> None:
-        """Warn (rank 0, once per streak) of ``config.skip_streak_warning`` consecutive skipped steps;
-        reads the device (:meth:`stats` calls it). See :class:`~scape_core.streak.SkipStreak`."""
-        self.streak.check()
-
+    # ----- checkpoints ----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         """This rank's state: step, scheduled masks, residual and windows by name, counters."""
         return checkpoint.state_dict(self)

@@ -2,7 +2,7 @@
 bucket per layer (12), every callback slowed (a sleep that lets other threads run) so that they
 finish together and interleave with the backward, many steps with skips, repeated.
 
-What the callbacks touch (``scape_core/hook.py``): a dense bucket's callback appends its verdict
+What the callbacks touch (``scape_core/exchange.py``): a dense bucket's callback appends its verdict
 to ``record.finite`` (several run at once, on gloo's threads or inline on the hook's); a sparse
 step's one callback (``finish_step``) writes every bucket's residual views, buffer and span of
 ``record.values`` and appends each verdict, then completes DDP's futures. Everything it writes
@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from scape_core import ScapeAdamS, ScapeState, hook, scape_hook
+from scape_core import ScapeAdamS, ScapeState, exchange, scape_hook
 from scape_core.layout import gather_spans
 from tests.dist import run_distributed
 from tests.test_core_ddp import conservation_error
@@ -36,7 +36,7 @@ def _stress(rank, world, repeats, steps):
     options = dist.ProcessGroupGloo._Options()
     options._threads = 8
     group = dist.new_group(backend="gloo", pg_options=options)
-    hook.finish_dense, hook.finish_bucket = slowed(hook.finish_dense), slowed(hook.finish_bucket)
+    exchange.finish_dense, exchange.finish_region = slowed(exchange.finish_dense), slowed(exchange.finish_region)
     out = []
     for repeat in range(repeats):
         torch.manual_seed(repeat)

@@ -123,7 +123,7 @@ def test_tiny_run_adds_the_known_optimizer_passes_and_a_sparse_step(tmp_path):
     assert scape["sparse"] and scape["skipped_steps"] == 0 and scape["host_reads"] == 0
     # the residual pass and the update through the bucket views: 2 x (read 8 + write 4); the hook's callback counted
     assert scape["added"]["by_op"]["_foreach_add_"]["bytes_per_param"] == pytest.approx(24, abs=0.1)
-    assert any(site.startswith("hook.finish_bucket: ") for site in scape["by_site"])  # gloo's callback, inline
+    assert any(site.startswith("exchange.finish_region: ") for site in scape["by_site"])  # gloo's callback, inline
 
 
 @pytest.mark.slow  # compiles 4 passes in a fresh process (~1-2 min); the arithmetic tests run the compiled path
