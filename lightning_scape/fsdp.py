@@ -12,8 +12,6 @@ own batches, and SCAPE (:class:`scape_core.fsdp.ScapeFSDPState`) exchanges the g
 
 from __future__ import annotations
 
-import math
-import warnings
 from collections.abc import Generator
 from contextlib import contextmanager
 from pathlib import Path
@@ -30,16 +28,51 @@ from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from lightning_scape.mixins import check_precision, progress_bar_text, scape_config
+from lightning_scape.mixins import ScapeBase, check_precision, scape_config
 from scape_core import ScapeConfig
 from scape_core.convert import to_scape_adams
-from scape_core.fsdp import ScapeFSDPState, fsdp_rank_state, load_fsdp_checkpoint
-from scape_core.state import scape_metrics
+from scape_core.fsdp import ScapeFSDPState, check_fsdp_config, fsdp_rank_state, load_fsdp_checkpoint
 
 MESH_DIMS = ("replicate", "shard")
+# Lightning names no public way to these (its folder checkpoints' metadata file, its test for one,
+# what it treats as stateful): private, pinned by tests/test_private_names.py
+PRIVATE_LIGHTNING = (_is_sharded_checkpoint, _METADATA_FILENAME, _Stateful)
 
 
-class ScapeModelParallelStrategy(ModelParallelStrategy):
+class ScapeFSDPMixin(ScapeBase):
+    """What both FSDP2 strategies (Trainer's and Fabric's) change versus Lightning's
+    ``ModelParallelStrategy``: SCAPE's config, the ``("replicate", "shard")`` mesh, a sampler over
+    every rank, the state's collectives finished at teardown."""
+
+    def __init__(self, *args: Any, config: ScapeConfig | None = None, replicate_size: Literal["auto"] | int = "auto",
+                 shard_size: Literal["auto"] | int = "auto", process_group_backend: str | None = None,
+                 timeout: Any = default_pg_timeout, **kwargs: Any) -> None:
+        self.scape_config = scape_config(config, kwargs)
+        if kwargs:
+            raise TypeError(f"{type(self).__name__} got unknown argument(s) {sorted(kwargs)}: expected ScapeConfig "
+                            "fields, replicate_size, shard_size, process_group_backend or timeout")
+        check_fsdp_config(self.scape_config)
+        super().__init__(*args, data_parallel_size=replicate_size, tensor_parallel_size=shard_size,
+                         process_group_backend=process_group_backend, timeout=timeout)
+        self.scape_state: ScapeFSDPState | None = None
+
+    def setup_environment(self) -> None:
+        super().setup_environment()  # type: ignore[misc]  # resolves the sizes, checks their product
+        from torch.distributed.device_mesh import init_device_mesh
+        self._device_mesh = init_device_mesh(self.root_device.type, tuple(self.device_mesh.shape),  # type: ignore
+                                             mesh_dim_names=MESH_DIMS)
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.world_size, "rank": self.global_rank}  # type: ignore  # both dims data-parallel
+
+    def _attach_scape(self, model: Module) -> ScapeFSDPState:
+        self.scape_state = ScapeFSDPState(model, self.device_mesh.get_group(MESH_DIMS[0]),  # type: ignore
+                                          config=self.scape_config)
+        return self.scape_state
+
+
+class ScapeModelParallelStrategy(ScapeFSDPMixin, ModelParallelStrategy):
     """FSDP2 inside each node and SCAPE's sparse exchange across nodes, for ``lightning.Trainer``.
 
     ``import lightning_scape`` registers it as ``strategy="scape_fsdp"``. The LightningModule
@@ -76,33 +109,16 @@ class ScapeModelParallelStrategy(ModelParallelStrategy):
         trainer.strategy.scape_state.stats()   # after fit: steps, bytes_sent, dense_bytes, compression, ...
     """
 
-    def __init__(self, config: ScapeConfig | None = None, *, replicate_size: Literal["auto"] | int = "auto",
-                 shard_size: Literal["auto"] | int = "auto", save_distributed_checkpoint: bool = True,
-                 process_group_backend: str | None = None, timeout: Any = default_pg_timeout, **kwargs: Any) -> None:
-        self.scape_config = scape_config(config, kwargs)
-        if kwargs:
-            raise TypeError(f"{type(self).__name__} got unknown argument(s) {sorted(kwargs)}: expected ScapeConfig "
-                            "fields, replicate_size, shard_size, process_group_backend or timeout")
+    def __init__(self, config: ScapeConfig | None = None, *, save_distributed_checkpoint: bool = True,
+                 **kwargs: Any) -> None:
         if not save_distributed_checkpoint:
             raise ValueError("save_distributed_checkpoint=False is not supported with SCAPE: each rank's residual and "
                              "masks are its own, so the checkpoint is a DCP folder with one entry per rank")
-        if self.scape_config.shard_optimizer:
-            raise ValueError("shard_optimizer=True is not supported with FSDP2: its optimizer state is the local "
-                             "shards already (sharded inside the node)")
-        super().__init__(data_parallel_size=replicate_size, tensor_parallel_size=shard_size,
-                         process_group_backend=process_group_backend, timeout=timeout)
-        self.scape_state: ScapeFSDPState | None = None
+        super().__init__(config=config, **kwargs)
 
     def setup_environment(self) -> None:
-        super().setup_environment()  # resolves the sizes and checks their product is the world size
-        from torch.distributed.device_mesh import init_device_mesh
-        self._device_mesh = init_device_mesh(self.root_device.type, tuple(self.device_mesh.shape),
-                                             mesh_dim_names=MESH_DIMS)
+        super().setup_environment()
         self.lightning_module._device_mesh = self._device_mesh  # what configure_model reads
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.world_size, "rank": self.global_rank}  # data-parallel on both dimensions
 
     def setup(self, trainer: Any) -> None:
         if trainer.state.fn == "fit":
@@ -113,13 +129,9 @@ class ScapeModelParallelStrategy(ModelParallelStrategy):
         super().setup_optimizers(trainer)  # after configure_model and the materialization: the shards exist
         if len(self.optimizers) != 1:
             raise ValueError(f"SCAPE trains with exactly one optimizer, got {len(self.optimizers)}")
-        self.scape_state = ScapeFSDPState(self.model, self.device_mesh.get_group(MESH_DIMS[0]),
-                                          config=self.scape_config)
-        self.optimizers = [to_scape_adams(self.optimizers[0], self.scape_state)]  # in place: schedulers follow
-        total = trainer.estimated_stepping_batches
-        warning = self.scape_config.short_run_warning(int(total)) if math.isfinite(total) else None
-        if warning and self.global_rank == 0:
-            warnings.warn(warning, stacklevel=2)
+        self._attach_scape(self.model)
+        self.optimizers = [self._convert_optimizers(self.optimizers)]  # in place: schedulers follow
+        self._warn_short_run(trainer)
 
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
@@ -136,9 +148,7 @@ class ScapeModelParallelStrategy(ModelParallelStrategy):
 
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
-        stats = self.scape_state.stats()
-        self.lightning_module.log_dict(scape_metrics(stats), on_step=True, on_epoch=False)
-        self.lightning_module.trainer.progress_bar_metrics.update(progress_bar_text(stats))
+        self._log_stats()
         return output
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -156,13 +166,8 @@ class ScapeModelParallelStrategy(ModelParallelStrategy):
         load_fsdp_checkpoint(path, self.model, optimizer, model_key="state_dict", optimizer_key="optimizer_0")
         return torch.load(path / _METADATA_FILENAME, weights_only=weights_only)  # loops, schedulers, callbacks
 
-    def teardown(self) -> None:
-        if self.scape_state is not None:
-            self.scape_state.wait()
-        super().teardown()
 
-
-class ScapeFabricModelParallelStrategy(FabricModelParallelStrategy):
+class ScapeFabricModelParallelStrategy(ScapeFSDPMixin, FabricModelParallelStrategy):
     """FSDP2 inside each node and SCAPE across nodes, for ``lightning.Fabric``.
 
     As :class:`ScapeModelParallelStrategy`, with Fabric's ``parallelize_fn(module, device_mesh)``
@@ -181,36 +186,16 @@ class ScapeFabricModelParallelStrategy(FabricModelParallelStrategy):
         fabric.save("ckpt/step_1000", {"model": model, "optimizer": optimizer, "step": 1000})
     """
 
-    def __init__(self, parallelize_fn: Callable[[Module, Any], Module], config: ScapeConfig | None = None, *,
-                 replicate_size: Literal["auto"] | int = "auto", shard_size: Literal["auto"] | int = "auto",
-                 process_group_backend: str | None = None, timeout: Any = default_pg_timeout, **kwargs: Any) -> None:
-        self.scape_config = scape_config(config, kwargs)
-        if kwargs:
-            raise TypeError(f"{type(self).__name__} got unknown argument(s) {sorted(kwargs)}: expected ScapeConfig "
-                            "fields, replicate_size, shard_size, process_group_backend or timeout")
-        if self.scape_config.shard_optimizer:
-            raise ValueError("shard_optimizer=True is not supported with FSDP2: its optimizer state is the local "
-                             "shards already (sharded inside the node)")
-        super().__init__(parallelize_fn, data_parallel_size=replicate_size, tensor_parallel_size=shard_size,
-                         process_group_backend=process_group_backend, timeout=timeout)
-        self.scape_state: ScapeFSDPState | None = None
-
-    def setup_environment(self) -> None:
-        super().setup_environment()
-        from torch.distributed.device_mesh import init_device_mesh
-        self._device_mesh = init_device_mesh(self.root_device.type, tuple(self.device_mesh.shape),
-                                             mesh_dim_names=MESH_DIMS)
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.world_size, "rank": self.global_rank}
+    def __init__(self, parallelize_fn: Callable[[Module, Any], Module], config: ScapeConfig | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(parallelize_fn, config=config, **kwargs)
 
     def setup_module(self, module: Module) -> Module:
         check_precision(self.precision)
         if self.scape_state is not None:
             raise RuntimeError(f"{type(self).__name__} trains one model per Fabric")
         module = super().setup_module(module)  # parallelize_fn on the (replicate, shard) mesh
-        self.scape_state = ScapeFSDPState(module, self.device_mesh.get_group(MESH_DIMS[0]), config=self.scape_config)
+        self._attach_scape(module)
         return module
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
@@ -263,11 +248,6 @@ class ScapeFabricModelParallelStrategy(FabricModelParallelStrategy):
             else:
                 state[key] = metadata.pop(key)
         return metadata
-
-    def teardown(self) -> None:
-        if self.scape_state is not None:
-            self.scape_state.wait()
-        super().teardown()
 
 
 def register() -> None:

@@ -70,7 +70,42 @@ def progress_bar_text(stats: dict[str, float]) -> dict[str, str]:
     return {"scape/compression": f"{stats['compression']:.1f}x", "scape/sent": f"{stats['bytes_sent'] / 1e6:,.1f} MB"}
 
 
-class ScapeStrategyMixin:
+class ScapeBase:
+    """What every SCAPE strategy does with its state, DDP's and FSDP2's (:mod:`lightning_scape.fsdp`):
+    the optimizer converted in place, the stats logged after a step, the short-run warning, the
+    collectives finished at teardown."""
+
+    scape_config: ScapeConfig
+    scape_state: Any
+
+    def _convert_optimizers(self, optimizers: list[Optimizer]) -> Any:
+        if len(optimizers) != 1:
+            raise ValueError(f"SCAPE trains with exactly one optimizer, got {len(optimizers)}")
+        if self.scape_state is None:
+            raise RuntimeError("set up the model before its optimizer: SCAPE binds the optimizer to the model's state")
+        return to_scape_adams(optimizers[0], self.scape_state)
+
+    def _warn_short_run(self, trainer: Any) -> None:
+        """Warn (rank 0) when the run's optimizer steps end before the target density."""
+        total = trainer.estimated_stepping_batches  # max_steps, or epochs x batches / accumulation
+        warning = self.scape_config.short_run_warning(int(total)) if math.isfinite(total) else None
+        if warning and self.global_rank == 0:  # type: ignore[attr-defined]
+            warnings.warn(warning, stacklevel=3)
+
+    def _log_stats(self) -> None:
+        stats = self.scape_state.stats()
+        module = self.lightning_module  # type: ignore[attr-defined]
+        module.log_dict(scape_metrics(stats), on_step=True, on_epoch=False)
+        # the bar takes text as it is (self.log takes numbers only, which bars print as 1753920.000)
+        module.trainer.progress_bar_metrics.update(progress_bar_text(stats))
+
+    def teardown(self) -> None:
+        if self.scape_state is not None:
+            self.scape_state.wait()  # no SCAPE collective left in flight when the process group goes
+        super().teardown()  # type: ignore[misc]
+
+
+class ScapeStrategyMixin(ScapeBase):
     """The SCAPE config (any :class:`ScapeConfig` field as a keyword) and the state built at setup."""
 
     def __init__(self, config: ScapeConfig | None = None, **kwargs: Any) -> None:
@@ -103,23 +138,11 @@ class ScapeStrategyMixin:
         ddp.register_comm_hook(state, scape_hook)
         return state
 
-    def _convert_optimizers(self, optimizers: list[Optimizer]) -> ScapeAdamS:
-        if len(optimizers) != 1:
-            raise ValueError(f"SCAPE trains with exactly one optimizer, got {len(optimizers)}")
-        if self.scape_state is None:
-            raise RuntimeError("set up the model before its optimizer: SCAPE binds the optimizer to the model's state")
-        return to_scape_adams(optimizers[0], self.scape_state)
-
     @staticmethod
     def _verify(path: Any) -> None:
         """A damaged local checkpoint file is refused before Lightning loads anything from it."""
         if isinstance(path, (str, os.PathLike)) and os.path.isfile(path):  # remote or folder: nothing to check
             verify_file(path)
-
-    def teardown(self) -> None:
-        if self.scape_state is not None:
-            self.scape_state.wait()  # no SCAPE collective left in flight when the process group goes
-        super().teardown()
 
     def _check_hook_ran(self) -> None:
         counters = self.scape_state.counters
@@ -143,18 +166,12 @@ class TrainerStrategyMixin(ScapeStrategyMixin):
     def setup_optimizers(self, trainer: Any) -> None:
         super().setup_optimizers(trainer)
         self.optimizers = [self._convert_optimizers(self.optimizers)]  # in place: its schedulers follow
-        total = trainer.estimated_stepping_batches  # max_steps, or epochs x batches / accumulation
-        warning = self.scape_config.short_run_warning(int(total)) if math.isfinite(total) else None
-        if warning and self.global_rank == 0:
-            warnings.warn(warning, stacklevel=2)
+        self._warn_short_run(trainer)
 
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
         self._check_hook_ran()
-        stats = self.scape_state.stats()
-        self.lightning_module.log_dict(scape_metrics(stats), on_step=True, on_epoch=False)
-        # the bar takes text as it is (self.log takes numbers only, which bars print as 1753920.000)
-        self.lightning_module.trainer.progress_bar_metrics.update(progress_bar_text(stats))
+        self._log_stats()
         return output
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None) -> None:

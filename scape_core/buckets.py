@@ -23,6 +23,7 @@ verdicts.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -30,6 +31,7 @@ from torch import Tensor
 
 from scape_core import wire
 from scape_core.layout import FlatLayout, MaskShape, gather_spans, scatter_spans
+from scape_core.masks import Mask
 
 
 @dataclass
@@ -128,11 +130,21 @@ class Buckets:
             plan.residual_views = None
 
 
+class RegionPiece(NamedTuple):
+    """Entries ``[lo, hi)`` of an exchange sit in region ``region`` (an index into its regions) at
+    their flat index minus ``shift``."""
+
+    region: int
+    lo: int
+    hi: int
+    shift: int
+
+
 class Staging:
     """Where every entry of an exchange sits in its regions, for the compiled passes
     (:func:`scape_core.kernels.stage_pass`, :func:`scape_core.kernels.finish_pass`).
 
-    ``pieces``: :data:`RegionPiece` in entry order: entries ``[lo, hi)`` of the exchange are the
+    ``pieces``: :class:`RegionPiece` in entry order: entries ``[lo, hi)`` of the exchange are the
     region's coordinates ``flat index - shift``. ``base``: the exchange's spans of the mask's
     entries (``None``: every entry, in mask order). Built once per region structure and density;
     plain ints, so a compiled pass bakes them in.
@@ -141,7 +153,7 @@ class Staging:
         >>> layout = FlatLayout({"w": torch.zeros(20), "b": torch.zeros(3)}, chunk=8)
         >>> plans = (BucketPlan(("b", "w"), [], (0, 3)),)        # one bucket: b first, then w
         >>> Staging(layout, plans, layout.mask_shape(0.25)).pieces
-        ((0, 0, 5, -3), (0, 5, 6, 24))
+        (RegionPiece(region=0, lo=0, hi=5, shift=-3), RegionPiece(region=0, lo=5, hi=6, shift=24))
     """
 
     def __init__(self, layout: FlatLayout, plans: tuple[BucketPlan, ...], shape: MaskShape,
@@ -157,10 +169,7 @@ class Staging:
         total = shape.entries if base is None else sum(hi - lo for lo, hi in base)
         if covered != total:  # every synchronized parameter is in exactly one region
             raise RuntimeError(f"the regions hold {covered} of the exchange's {total} entries")
-        self.pieces: tuple[RegionPiece, ...] = tuple((j, lo, hi, shift) for lo, j, hi, shift in pieces)
-
-
-RegionPiece = tuple[int, int, int, int]  # (region, first entry, end entry, shift): see Staging
+        self.pieces: tuple[RegionPiece, ...] = tuple(RegionPiece(j, lo, hi, shift) for lo, j, hi, shift in pieces)
 
 
 def local(base: list[tuple[int, int]] | None, at: int) -> int:
@@ -207,6 +216,7 @@ class StepRecord:
     entries: Tensor | None = None  # sparse: the flat indices of the exchange's entries
     staging: Staging | None = None  # sparse, compiled kernels: where the entries sit in the regions
     applied_names: list[str] = field(default_factory=list)  # parameters with a gradient at the optimizer step
+    density: float | None = None  # sparse: the mask's
     base: list[tuple[int, int]] | None = None  # the exchange's spans of the mask's entries (None: every entry)
     dtype: torch.dtype | None = None  # the native wire's (None: the buckets')
     returns_skipped: bool = True  # its finish returns a skipped step's means (one exchange per step)
@@ -214,14 +224,22 @@ class StepRecord:
                     "{name!r}): every sync flushes residuals that only the SCAPE optimizer applies. Use "
                     "ScapeAdamS, and accumulate gradients under ddp.no_sync().")
 
-    def open(self, entries: Tensor, staged: bool = True) -> None:
-        """The exchange's entries are known (on the hook's thread, before any callback can run);
-        ``staged``: :func:`scape_core.exchange.stage` fills ``send`` (eager), so it exists now."""
+    def open(self, mask: Mask, layout: FlatLayout, staged: bool = True,
+             base: list[tuple[int, int]] | None = None) -> None:
+        """The exchange's entries are known: ``mask``'s, or its spans ``base`` of them (on the hook's
+        thread, before any callback can run); ``staged``: the eager :func:`scape_core.exchange.stage`
+        fills ``send``, so it exists now. Once per exchange."""
         if self.entries is None:
-            self.entries = entries
+            self.density, self.base = mask.density, base
+            every = mask.flat(layout)
+            self.entries = every if base is None else gather_spans(every, base)
             if staged:
-                self.values = torch.zeros(entries.numel(), device=entries.device)
-                self.send = torch.zeros(entries.numel(), device=entries.device)
+                self.values = torch.zeros(self.entries.numel(), device=self.entries.device)
+                self.send = torch.zeros(self.entries.numel(), device=self.entries.device)
+
+    def spans(self, names: tuple[str, ...]) -> list[tuple[int, int]]:
+        """Where the parameters ``names`` (a region's) sit among the entries of a whole mask's exchange."""
+        return self.buckets.layout.mask_shape(self.density).ranges(names)
 
     def absorb(self, part: "StepRecord", spans: list[tuple[int, int]], entries: Tensor) -> None:
         """A region exchanged on its own (FSDP2: each parameter group in its hook) joins the step:

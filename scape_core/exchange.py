@@ -6,19 +6,22 @@ reduce-scatter output. An exchange (a :class:`~scape_core.buckets.StepRecord`) c
 mask's entries, its regions' in their order, and runs in three stages, for DDP's hook and FSDP2's
 alike:
 
-1. :func:`stage` (per region, eager) or :func:`stage_all` (every region at once, compiled):
-   ``a_r = g_r + e_r`` at the entries into the compact buffer ``send``, NaN where this rank's
-   region is not finite.
+1. :func:`stage` (per region, eager) or :func:`stage_compiled` (every region at once, once the
+   last is in): ``a_r = g_r + e_r`` at the entries into the compact buffer ``send``, NaN where
+   this rank's region is not finite.
 2. :func:`exchange_native` (one all-reduce) or :func:`exchange_encoded` (an encoded wire's two
    stages, :mod:`scape_core.wire`); this rank's rounding of what it sent is kept.
-3. :func:`finish`: the verdicts (is every region's mean finite, on every rank), the residual's
-   update (``e_r += g_r`` off the mask, the rounding on it; nothing of a dropped region), and the
-   regions' buffers hold the mean on the mask, zeros elsewhere.
+3. :func:`finish` (:func:`finish_eager` or :func:`finish_compiled`): the verdicts (is every
+   region's mean finite, on every rank), the residual's update (``e_r += g_r`` off the mask, the
+   rounding on it; nothing of a dropped region), and the regions' buffers hold the mean on the
+   mask, zeros elsewhere.
 
 DDP exchanges every bucket of a step at once (the last bucket starts it); FSDP2 exchanges each
 parameter group in its own hook, waits, and files it into the step's record
 (:meth:`~scape_core.buckets.StepRecord.absorb`). The eager functions are the readable reference;
-the compiled passes (:mod:`scape_core.kernels`) are tested against them.
+the compiled ones (the passes of :mod:`scape_core.kernels`) take the same arguments and are tested
+against them; a state chooses once (:func:`path`, from ``ScapeConfig.kernels``), as torch's
+``adamw`` chooses between its single-tensor, foreach and fused functions.
 
 ``state`` is a :class:`~scape_core.state.ScapeStateBase`: its ``layout``, ``buckets``,
 ``residual_buffer``, ``kernels``, ``config``, group and counters.
@@ -26,7 +29,7 @@ the compiled passes (:mod:`scape_core.kernels`) are tested against them.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -42,8 +45,9 @@ if TYPE_CHECKING:
 
 
 def stage(state: "ScapeStateBase", record: StepRecord, region: BucketPlan, buffer: Tensor,
-          spans: list[tuple[int, int]]) -> Exchange:
-    """Put ``region``'s part of ``a_r[M]`` into ``record.send`` at ``spans`` (eager).
+          spans: list[tuple[int, int]], last: bool = True) -> Exchange:
+    """Put ``region``'s part of ``a_r[M]`` into ``record.send`` at ``spans`` (eager; ``last``, whether
+    it is the exchange's last region, is :func:`stage_compiled`'s).
 
     Fixed shape (the region's mask entries), gathered with two ``index_select`` on flat buffers,
     so where a value sits in what is sent never depends on how the regions are cut. A rank
@@ -62,10 +66,21 @@ def stage(state: "ScapeStateBase", record: StepRecord, region: BucketPlan, buffe
     return exchange
 
 
-def stage_all(state: "ScapeStateBase", record: StepRecord, density: float) -> None:
-    """Compiled kernels: the compact buffer from every region at once, once the last is in
-    (:func:`scape_core.kernels.stage_pass`); each region's own verdict is kept for the finish."""
-    shape = state.layout.mask_shape(density)
+def stage_compiled(state: "ScapeStateBase", record: StepRecord, region: BucketPlan, buffer: Tensor,
+                   spans: list[tuple[int, int]], last: bool = True) -> Exchange:
+    """:func:`stage` compiled: the region joins the exchange, and once the ``last`` is in, the compact
+    buffer is staged from every region at once (:func:`scape_core.kernels.stage_pass`); each
+    region's own verdict is kept for the finish."""
+    part = Exchange(region, buffer, None, None, spans, None)
+    record.add_exchange(part)
+    if last:
+        stage_all(state, record)
+    return part
+
+
+def stage_all(state: "ScapeStateBase", record: StepRecord) -> None:
+    """The compact buffer of every region of ``record`` in one compiled pass."""
+    shape = state.layout.mask_shape(record.density)
     record.staging = state.buckets.staging(tuple(x.bucket for x in record.exchanges), shape, record.base)
     record.send, finite = state.kernels.stage([x.buffer for x in record.exchanges], state.residual_buffer,
                                               record.entries, record.staging.pieces)
@@ -118,39 +133,46 @@ def exchange_encoded(state: "ScapeStateBase", record: StepRecord) -> torch.futur
 
 
 def finish(state: "ScapeStateBase", record: StepRecord, reduced: Tensor, kept: Tensor | None) -> None:
-    """Every region's share of the exchanged means (``reduced``, one per entry of ``record``); then
-    DDP's futures complete (their failure, if anything here raised). Compiled kernels: every
-    region in one pass (:func:`scape_core.kernels.finish_pass`)."""
+    """Every region's share of the exchanged means (``reduced``, one per entry of ``record``), by the
+    state's path (:func:`finish_eager` or :func:`finish_compiled`); then DDP's futures complete
+    (their failure, if anything here raised)."""
     try:
-        if state.kernels.compiled:
-            pieces, exchanges = record.staging.pieces, record.exchanges
-            ok, good = state.kernels.verdicts(reduced, pieces, len(exchanges))
-            if state.residual_buffer is not None:  # e_r += g_r where the region went through, a graph of its own
-                residuals, grads, keep = [], [], []
-                for j, x in enumerate(exchanges):
-                    views = x.bucket.residuals(state.layout, state.residual_buffer)
-                    residuals += views
-                    grads += x.bucket.grads
-                    keep += [ok[j] & x.finite] * len(views)
-                # one compiled copy per set of regions: the pass does not depend on the mask's density
-                state.kernels.residual(residuals, grads, keep, hash(tuple(x.bucket.names for x in exchanges)))
-            torch._foreach_zero_([x.buffer for x in exchanges])  # outside the graph: in place (finish_pass)
-            record.values = state.kernels.finish([x.buffer for x in exchanges], state.residual_buffer, record.entries,
-                                                 reduced, kept, ok, good, pieces)
-            record.finite.extend(ok.unbind())
-        else:
-            parts = [gather_spans(reduced, x.spans) for x in record.exchanges]
-            oks = [torch.isfinite(part).all() for part in parts]
-            step_ok = torch.stack(oks).all()
-            for x, part, ok in zip(record.exchanges, parts, oks):
-                kept_here = None if kept is None else gather_spans(kept, x.spans)
-                finish_region(state, record, x, part, kept_here, ok, step_ok)
+        state.exchange_path.finish(state, record, reduced, kept)
     except BaseException as e:
         for x in record.exchanges:
             x.future.set_exception(e)
         raise
     for x in record.exchanges:
         x.future.set_result(x.buffer)
+
+
+def finish_eager(state: "ScapeStateBase", record: StepRecord, reduced: Tensor, kept: Tensor | None) -> None:
+    """The reference: each region's verdict, then :func:`finish_region` for each."""
+    parts = [gather_spans(reduced, x.spans) for x in record.exchanges]
+    oks = [torch.isfinite(part).all() for part in parts]
+    step_ok = torch.stack(oks).all()
+    for x, part, ok in zip(record.exchanges, parts, oks):
+        kept_here = None if kept is None else gather_spans(kept, x.spans)
+        finish_region(state, record, x, part, kept_here, ok, step_ok)
+
+
+def finish_compiled(state: "ScapeStateBase", record: StepRecord, reduced: Tensor, kept: Tensor | None) -> None:
+    """:func:`finish_eager` compiled: every region in one pass (:func:`scape_core.kernels.finish_pass`)."""
+    pieces, exchanges = record.staging.pieces, record.exchanges
+    ok, good = state.kernels.verdicts(reduced, pieces, len(exchanges))
+    if state.residual_buffer is not None:  # e_r += g_r where the region went through, a graph of its own
+        residuals, grads, keep = [], [], []
+        for j, x in enumerate(exchanges):
+            views = x.bucket.residuals(state.layout, state.residual_buffer)
+            residuals += views
+            grads += x.bucket.grads
+            keep += [ok[j] & x.finite] * len(views)
+        # one compiled copy per set of regions: the pass does not depend on the mask's density
+        state.kernels.residual(residuals, grads, keep, hash(tuple(x.bucket.names for x in exchanges)))
+    torch._foreach_zero_([x.buffer for x in exchanges])  # outside the graph: in place (finish_pass)
+    record.values = state.kernels.finish([x.buffer for x in exchanges], state.residual_buffer, record.entries,
+                                         reduced, kept, ok, good, pieces)
+    record.finite.extend(ok.unbind())
 
 
 def finish_region(state: "ScapeStateBase", record: StepRecord, exchange: Exchange, reduced: Tensor,
@@ -183,3 +205,23 @@ def finish_dense(record: StepRecord, buffer: Tensor) -> Tensor:
     """After a dense all-reduce the region holds the mean; its finiteness decides the step."""
     record.finite.append(torch.isfinite(buffer).all())
     return buffer
+
+
+class ExchangePath(NamedTuple):
+    """The staging and finishing functions of a state's exchanges (one signature each, both paths)."""
+
+    stage: Callable[..., Exchange]
+    finish: Callable[..., None]
+    staged: bool  # whether stage fills a send buffer made beforehand (eager), or makes it (compiled)
+
+
+def path(kernels: str) -> ExchangePath:
+    """The exchange's functions for ``ScapeConfig.kernels`` (chosen once per state).
+
+    Example:
+        >>> path("eager").finish.__name__, path("compiled").stage.__name__
+        ('finish_eager', 'stage_compiled')
+    """
+    if kernels == "compiled":
+        return ExchangePath(stage_compiled, finish_compiled, staged=False)
+    return ExchangePath(stage, finish_eager, staged=True)

@@ -7,7 +7,6 @@ import torch.distributed as dist
 from torch import Tensor
 
 from scape_core import exchange, inflight
-from scape_core.buckets import Exchange
 from scape_core.state import ScapeState
 
 
@@ -44,16 +43,9 @@ def scape_hook(state: ScapeState, bucket: dist.GradBucket) -> torch.futures.Futu
         return work.get_future().then(lambda f: exchange.finish_dense(state.record, f.value()[0]))
     if not state.sparse_started:
         state.start_sparse()
-    record, compiled = state.record, state.kernels.compiled
-    record.open(mask.flat(state.layout), staged=not compiled)
-    spans = state.layout.mask_shape(mask.density).ranges(plan.names)
-    if compiled:  # staged all at once at the last bucket
-        part = Exchange(plan, buffer, None, None, spans, None)
-        record.add_exchange(part)
-        if bucket.is_last():
-            exchange.stage_all(state, record, mask.density)
-    else:
-        part = exchange.stage(state, record, plan, buffer, spans)
+    record, path = state.record, state.exchange_path
+    record.open(mask, state.layout, staged=path.staged)
+    part = path.stage(state, record, plan, buffer, record.spans(plan.names), bucket.is_last())
     state.count(0, 0, dense_bytes)
     if bucket.is_last():  # the step's compact buffer is complete: exchange it
         exchange.send(state, record)

@@ -37,7 +37,8 @@ from scape_core.wire import WirePlan
 
 KERNELS = ("eager", "compiled")
 
-Piece = tuple[int, int, int, int]  # (tensor index, first entry, end entry, flat index of the tensor's start)
+# the two coordinate frames the passes index: a region's (DDP bucket, FSDP2 group output) and a parameter's
+Piece = tuple[int, int, int, int]  # RegionPiece (region, lo, hi, shift) or ParamPiece (param, lo, hi, start)
 
 
 def compile_kernel(fn: Callable, name: str) -> Callable:
@@ -90,7 +91,7 @@ def stage_pass(buffers: list[Tensor], residual: Tensor | None, entries: Tensor,
                pieces: Sequence[Piece]) -> tuple[Tensor, Tensor]:
     """A sparse step's compact buffer from every bucket at once: ``g + e`` at the mask's entries (fp32,
     in entry order), NaN where this rank's bucket is not finite; returns it and the buckets' verdicts.
-    ``pieces``: :attr:`scape_core.buckets.Staging.pieces`."""
+    ``pieces``: :attr:`scape_core.buckets.Staging.pieces` (:class:`~scape_core.buckets.RegionPiece`)."""
     finite = torch.stack([torch.isfinite(b).all() for b in buffers])
     picked = torch.cat([buffers[j].index_select(0, entries[lo:hi] - shift).float() for j, lo, hi, shift in pieces])
     if residual is not None:
@@ -144,7 +145,8 @@ def finish_pass(buffers: list[Tensor], residual: Tensor | None, entries: Tensor,
 
 
 def gather_pass(grads: list[Tensor], entries: Tensor, pieces: Sequence[Piece]) -> Tensor:
-    """The gradient at every mask entry (fp32), read from each tensor at ``entries[lo:hi] - start``."""
+    """The gradient at every mask entry (fp32), read from each tensor at ``entries[lo:hi] - start``
+    (``pieces``: :class:`~scape_core.layout.ParamPiece`)."""
     return torch.cat([grads[i].reshape(-1).index_select(0, entries[lo:hi] - start).float()
                       for i, lo, hi, start in pieces])
 

@@ -17,11 +17,22 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 MAX_CHUNK = 32_768  # chunk-local columns fit int16
+
+
+class ParamPiece(NamedTuple):
+    """Entries ``[lo, hi)`` of a mask belong to parameter ``param`` (an index into a list of names or
+    tensors); a flat index minus ``start`` is the coordinate's index in the parameter itself."""
+
+    param: int
+    lo: int
+    hi: int
+    start: int
 
 
 def topk_count(size: int, density: float) -> int:
@@ -235,7 +246,7 @@ class MaskShape:
         for c in counts:
             self._offsets.append(self._offsets[-1] + c)
         self._ranges: dict[tuple[str, ...], _Ranges] = {}
-        self._pieces: dict[tuple[str, ...], tuple[tuple[int, int, int, int], ...]] = {}
+        self._pieces: dict[tuple[str, ...], tuple[ParamPiece, ...]] = {}
 
     def ranges(self, names: tuple[str, ...]) -> list[tuple[int, int]]:
         """The entry ranges of the parameters ``names`` (e.g. one DDP bucket's), merged."""
@@ -256,16 +267,16 @@ class MaskShape:
             self._ranges[names] = _Ranges(merged)
         return self._ranges[names].spans
 
-    def pieces(self, names: list[str]) -> tuple[tuple[int, int, int, int], ...]:
-        """Where each parameter of ``names`` sits among the entries, in entry order: ``(i, lo, hi,
-        start)`` for entries ``[lo, hi)`` of ``names[i]`` (its full rows, then its shorter last
-        row, merged when adjacent), whose flat index minus ``start`` is the coordinate's index in
-        the parameter itself.
+    def pieces(self, names: list[str]) -> tuple[ParamPiece, ...]:
+        """Where each parameter of ``names`` sits among the entries, in entry order: a
+        :class:`ParamPiece` ``(i, lo, hi, start)`` for entries ``[lo, hi)`` of ``names[i]`` (its full
+        rows, then its shorter last row), whose flat index minus ``start`` is the coordinate's index
+        in the parameter itself.
 
         Example:
             >>> layout = FlatLayout({"w": torch.zeros(20), "b": torch.zeros(3)}, chunk=8)   # rows: 8, 8, 4 | 3
             >>> layout.mask_shape(0.25).pieces(["w", "b"])            # k = 2; the short rows pick 1 each
-            ((0, 0, 5, 0), (1, 5, 6, 24))
+            (ParamPiece(param=0, lo=0, hi=5, start=0), ParamPiece(param=1, lo=5, hi=6, start=24))
         """
         key = tuple(names)
         if key not in self._pieces:  # once per set of parameters: a sparse step asks every time
@@ -274,7 +285,7 @@ class MaskShape:
                 start = self._layout.first_row[name] * self._layout.chunk
                 for lo, hi in self.ranges((name,)):
                     found.append((lo, i, hi, start))
-            self._pieces[key] = tuple((i, lo, hi, start) for lo, i, hi, start in sorted(found))
+            self._pieces[key] = tuple(ParamPiece(i, lo, hi, start) for lo, i, hi, start in sorted(found))
         return self._pieces[key]
 
     def rows_spans(self, start: int, stop: int) -> list[tuple[int, int]]:

@@ -253,41 +253,63 @@ class ScapeAdamS(AdamS):
 
     def _sparse(self, groups: list[tuple[dict[str, Any], list[Tensor]]], mask: Mask, skip: Tensor,
                 all_have_grad: bool, **hp: float) -> None:
-        """The masked update: a fixed number of kernels per group and bucket, decided on the device."""
+        """The masked update, decided on the device: :meth:`_sparse_fused` where the compiled passes
+        apply (``kernels="compiled"``, every parameter with a gradient, each one dense block), else
+        the reference :meth:`_sparse_reference` (same arguments, same results to fp32 rounding)."""
+        with_grad = [p for _, params in groups for p in params]
+        values, grads = [self._local(p) for p in with_grad], [self._grad(p) for p in with_grad]
+        fused = self.scape.kernels.compiled and all_have_grad and self._contiguous(values, grads)
+        (self._sparse_fused if fused else self._sparse_reference)(groups, mask, skip, all_have_grad, **hp)
+        record = self.scape.record
+        if not record.returns_skipped:  # exchanged region by region: what a skipped step sent goes back now
+            record.return_unapplied(self.scape.residual_buffer, mask.flat(self.scape.layout), ~skip)
+
+    def _sparse_reference(self, groups: list[tuple[dict[str, Any], list[Tensor]]], mask: Mask, skip: Tensor,
+                          all_have_grad: bool, **hp: float) -> None:
+        """The readable sparse step: the window sums read back from ``p.grad``, the rule on the mask's
+        entries, ``u`` written into the regions, every coordinate decayed and moved by ``-lr u``
+        through the regions' views, the synchronized gradients put back. A fixed number of
+        multi-tensor kernels per group and region, none per parameter."""
         scape, record = self.scape, self.scape.record
         entries = mask.flat(scape.layout)
         with_grad = [p for _, params in groups for p in params]
+        s = record.gather_gradients([self._names[p] for p in with_grad], [self._grad(p) for p in with_grad],
+                                    entries.numel())
+        applied = ~skip if all_have_grad else self._entries_with_grad(with_grad, entries, ~skip)
+        u = self._masked_update(mask, s, applied, hp)
+        keep = (~skip).float()
+        record.scatter_update(u)  # the regions' buffers now hold u on the mask
+        for group, params in groups:
+            if not params:
+                continue
+            local = [self._local(p) for p in params]
+            if group["weight_decay"]:  # every coordinate, every applied step (1 on a skipped one)
+                torch._foreach_mul_(local, keep.mul(-group["lr"] * group["weight_decay"]).add_(1.0))
+            deltas = [scape.buckets.views[self._names[p]] for p in params]
+            torch._foreach_add_(local, deltas, alpha=-group["lr"])
+        record.restore_gradients(s)
+        if not all_have_grad:  # a skipped step's values went back at the finish; these did not
+            record.return_unapplied(scape.residual_buffer, entries, applied | skip)
+
+    def _sparse_fused(self, groups: list[tuple[dict[str, Any], list[Tensor]]], mask: Mask, skip: Tensor,
+                      all_have_grad: bool, **hp: float) -> None:
+        """:meth:`_sparse_reference` as compiled passes that read ``p.grad`` and write the parameters
+        in place (the regions are not written): replicated, one pass and the update's
+        (:func:`scape_core.kernels.sparse_step_pass`); sharded, the gather, the owners' rule and the
+        all-gather of ``u``, then the decay and the update."""
+        scape = self.scape
+        entries = mask.flat(scape.layout)
+        with_grad = [p for _, params in groups for p in params]
         values, grads = [self._local(p) for p in with_grad], [self._grad(p) for p in with_grad]
-        fused = scape.kernels.compiled and all_have_grad and self._contiguous(values, grads)
-        if fused:
-            pieces = scape.layout.mask_shape(mask.density).pieces([self._names[p] for p in with_grad])
-            decay, scale = self._decay_and_scale(groups, skip, entries.device)
-            if not scape.sharded:  # the whole optimizer half in one compiled pass
-                scape.kernels.sparse_step(self.rule, values, grads, self.momentum_buffer, self.statistics,
-                                          scape.window_buffer, entries, ~skip, scape.step, decay, scale, pieces, **hp)
-            else:
-                s = scape.kernels.gather(grads, entries, pieces)  # read in place from p.grad
-                u = self._masked_update(mask, s, ~skip, hp)
-                scape.kernels.update(values, entries, u, decay, scale, pieces)  # in place: the regions not written
-        else:  # the window sums, read back from p.grad
-            s = record.gather_gradients([self._names[p] for p in with_grad], grads, entries.numel())
-            applied = ~skip if all_have_grad else self._entries_with_grad(with_grad, entries, ~skip)
-            u = self._masked_update(mask, s, applied, hp)
-            keep = (~skip).float()
-            record.scatter_update(u)  # the regions' buffers now hold u on the mask
-            for group, params in groups:
-                if not params:
-                    continue
-                local = [self._local(p) for p in params]
-                if group["weight_decay"]:  # every coordinate, every applied step (1 on a skipped one)
-                    torch._foreach_mul_(local, keep.mul(-group["lr"] * group["weight_decay"]).add_(1.0))
-                deltas = [scape.buckets.views[self._names[p]] for p in params]
-                torch._foreach_add_(local, deltas, alpha=-group["lr"])
-            record.restore_gradients(s)
-            if not all_have_grad:  # a skipped step's values went back at the finish; these did not
-                record.return_unapplied(scape.residual_buffer, entries, applied | skip)
-        if not record.returns_skipped:  # exchanged region by region: what a skipped step sent goes back now
-            record.return_unapplied(scape.residual_buffer, entries, ~skip)
+        pieces = scape.layout.mask_shape(mask.density).pieces([self._names[p] for p in with_grad])
+        decay, scale = self._decay_and_scale(groups, skip, entries.device)
+        if not scape.sharded:
+            scape.kernels.sparse_step(self.rule, values, grads, self.momentum_buffer, self.statistics,
+                                      scape.window_buffer, entries, ~skip, scape.step, decay, scale, pieces, **hp)
+            return
+        s = scape.kernels.gather(grads, entries, pieces)  # read in place from p.grad
+        u = self._masked_update(mask, s, ~skip, hp)
+        scape.kernels.update(values, entries, u, decay, scale, pieces)
 
     def _decay_and_scale(self, groups: list[tuple[dict[str, Any], list[Tensor]]], skip: Tensor,
                          device: torch.device) -> tuple[list[Tensor | None], list[Tensor]]:

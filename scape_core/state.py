@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from scape_core import checkpoint, inflight
+from scape_core import checkpoint, exchange, inflight
 from scape_core.buckets import Buckets, StepRecord
 from scape_core.config import ScapeConfig
 from scape_core.diagnose import DDPWatch
@@ -61,6 +61,7 @@ class ScapeStateBase:
     selector: MaskSelector
     schedule: MaskSchedule
     kernels: Kernels
+    exchange_path: exchange.ExchangePath
     buckets: Buckets
     record: StepRecord
     shards: ShardExchange
@@ -93,6 +94,7 @@ class ScapeStateBase:
         self.names = {id(p): n for n, p in params.items()}
         self.layout = FlatLayout(local, self.config.chunk_size)
         self.kernels = Kernels(self.config.kernels)  # the passes over every coordinate, eager or compiled
+        self.exchange_path = exchange.path(self.config.kernels)  # the reference's functions, or the compiled ones
         self.sharded = self.config.shard_optimizer
         # shard_bytes: the sharded mode's all-gathers of updates and parameters (also in bytes_sent)
         self.counters = dict(steps=0, hook_calls=0, values_sent=0, bytes_sent=0, mask_bytes=0, dense_bytes=0,
