@@ -38,6 +38,8 @@ QUESTIONS = {
     "wire_block": "Values per fp32 scale of an int8/int4 wire",
     "skip_streak_warning": "Warn after this many consecutive steps skipped for non-finite gradients (0: never)",
     "kernels": "The passes over every coordinate: eager (torch operators) or compiled (torch.compile'd fused loops)",
+    "selection": "How each row's picks are chosen: topk (its k largest scores) or groups (the largest of each of "
+                 "k contiguous groups: a reduction)",
 }
 
 

@@ -57,7 +57,7 @@ class ScapePlugin:
         log_every: optimizer steps between automatic ``accelerator.log`` calls; ``0`` turns it off.
         **settings: ``ScapeConfig`` fields (``sparsity``, ``warmup_steps``, ``mask_delay``,
             ``mask_refresh``, ``error_feedback``, ``score``, ``update``, ``ramp_steps``, ``chunk_size``,
-            ``shard_optimizer``, ``wire``, ``wire_block``, ``skip_streak_warning``, ``kernels``): the
+            ``shard_optimizer``, ``wire``, ``wire_block``, ``skip_streak_warning``, ``kernels``, ``selection``): the
             highest precedence. With ``shard_optimizer=True``, ``save_state`` writes the whole
             optimizer state (every rank gathers its shard) and ``load_state`` gives each rank its
             part, at any world size.

@@ -69,6 +69,7 @@ ROOT = Path(__file__).resolve().parent.parent
 METHODS = ("no-comm + AdamS", "DDP + AdamW", "DDP + AdamS", "PowerSGD r4 + AdamW", "SCAPE 90%", "SCAPE 99%",
            "SCAPE 99% native", "SCAPE 99% sharded",
            "no-comm + AdamS compiled", "SCAPE 90% compiled", "SCAPE 99% compiled")
+GROUPS = ("SCAPE 90% groups", "SCAPE 99% groups", "SCAPE 99% native groups")  # --methods only: selection="groups"
 COMPILED = " compiled"  # a method name's suffix: ScapeConfig(kernels="compiled") / AdamS(kernels="compiled")
 DENSE = "DDP + AdamW"
 BOUND = "no-comm + AdamS"
@@ -157,6 +158,8 @@ def build(name: str, base: nn.Module, warmup_steps: int) -> Method:
     options = {"shard_optimizer": True} if name.endswith("sharded") else {}
     if " native" in name:  # fp32 values on the wire instead of the default int4 at 99%
         options["wire"] = "native"
+    if " groups" in name:  # ScapeConfig(selection="groups"): one pick per group of each row, not its top-k
+        options["selection"] = "groups"
     state = ScapeState(ddp, sparsity=sparsity, **scape_fields(warmup_steps), **options, kernels=kernels)
     ddp.register_comm_hook(state, scape_hook)
     return Method(name, ddp, ScapeAdamS(ddp.parameters(), state, **hp), scape=state)
@@ -493,9 +496,9 @@ def check_run_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argp
     """Parse the lists of :func:`add_run_args` and refuse inconsistent values (``p.error``)."""
     args.batches = [int(b) for b in str(args.batches).split(",")]
     args.methods = [m.strip() for m in args.methods.split(",")] if isinstance(args.methods, str) else args.methods
-    unknown = set(args.methods) - set(METHODS)
+    unknown = set(args.methods) - set(METHODS) - set(GROUPS)
     if unknown:
-        p.error(f"--methods: unknown {sorted(unknown)}; choose from {list(METHODS)}")
+        p.error(f"--methods: unknown {sorted(unknown)}; choose from {list(METHODS) + list(GROUPS)}")
     if args.scape_warmup >= args.warm:
         p.error("--scape-warmup must be below --warm, so that every timed SCAPE step is sparse")
     if args.default_batch not in args.batches:

@@ -7,7 +7,8 @@ only by the method. One run per (method, seed, steps) writes a JSON file; ``--re
 files into the tables and plots of ``docs/benchmarks.md``.
 
 Methods are names from ``METHODS`` with optional ``+key=value`` overrides, e.g.
-``scape99+update=catchup``, ``scape99+warmup=200+ramp=300``, ``scape99+send=momentum``.
+``scape99+update=catchup``, ``scape99+warmup=200+ramp=300``, ``scape99+send=momentum``,
+``scape99+selection=groups``.
 
 Example::
 
@@ -130,7 +131,7 @@ def build(cfg: dict, model: nn.Module, args: argparse.Namespace):
     # scapeXX is the contract's reading (lazy rule, residual score, no ramp) whatever the library defaults
     fields = dict(update="lazy", score="momentum_residual", ramp_steps=int(cfg.get("ramp", 0)))
     fields.update({k: cfg[k] for k in ("sparsity", "mask_delay", "mask_refresh", "update", "error_feedback",
-                                       "chunk_size", "wire_block") if k in cfg})
+                                       "chunk_size", "wire_block", "selection") if k in cfg})
     wire = cfg.get("wire", "native")  # names without a wire predate wire="auto": their values are native
     if wire in WIRES:
         fields["wire"] = wire

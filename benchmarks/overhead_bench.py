@@ -31,6 +31,7 @@ import statistics
 import sys
 import tempfile
 import time
+import types
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
@@ -87,6 +88,7 @@ TIMER = Timer()
 def instrument() -> None:
     """Wrap the core's pieces (module attributes, so the hook and the state call the wrappers)."""
     import scape_core.exchange as exchange
+    import scape_core.masks as masks
     import scape_core.selection as selection
     import scape_core.state as state
     from scape_core import AdamS, ScapeAdamS
@@ -94,7 +96,10 @@ def instrument() -> None:
     TIMER.wrap(exchange, "stage", "compact")  # eager kernels: per bucket
     TIMER.wrap(exchange, "stage_all", "compact")  # compiled kernels: every bucket at once
     TIMER.wrap(exchange, "finish", "finish")
-    TIMER.wrap(selection, "select", "topk")  # inside MaskSelector.choose
+    for rule, fn in list(masks.SELECTIONS.items()):  # the row's picks (top-k or groups), inside MaskSelector.choose
+        slot = types.SimpleNamespace(fn=fn)
+        TIMER.wrap(slot, "fn", "topk")
+        masks.SELECTIONS[rule] = slot.fn
     TIMER.wrap(selection.MaskSelector, "choose", "select")
     TIMER.wrap(selection.MaskSelector, "finish_pending", "mask_wait")
     TIMER.wrap(state.ScapeState, "end_step", "end_step")
@@ -116,8 +121,10 @@ def build(name: str, base: torch.nn.Module, warmup: int, mask_refresh: int, kern
         ddp.register_comm_hook(None, default_hooks.allreduce_hook)
         return ddp, AdamS(ddp.parameters(), kernels=kernels, **hp)
     fields = {**scape_fields(warmup), "kernels": kernels}
-    if name.endswith(" fp32"):  # the native wire (the default at 99% is int4 where the core has wires)
+    if " fp32" in name:  # the native wire (the default at 99% is int4 where the core has wires)
         fields["wire"] = "native"
+    if name.endswith(" groups"):  # ScapeConfig(selection="groups"): one pick per group instead of a top-k
+        fields["selection"] = "groups"
     state = ScapeState(ddp, sparsity=float(name.split()[1].rstrip("%")) / 100, mask_refresh=mask_refresh, **fields)
     ddp.register_comm_hook(state, scape_hook)
     return ddp, ScapeAdamS(ddp.parameters(), state, **hp)
@@ -153,7 +160,8 @@ def derive(p: dict[str, float]) -> dict[str, float]:
 
 def worker(args: argparse.Namespace) -> None:
     rank, _, data, base = start_rank(args.params, args.context, args.layers)
-    names = ["DDP + AdamS", "SCAPE 90%", "SCAPE 99%", "SCAPE 99% fp32"]
+    names = ["DDP + AdamS"] + [n + ("" if rule == "topk" else f" {rule}") for rule in args.selections.split(",")
+                               for n in ("SCAPE 90%", "SCAPE 99%", "SCAPE 99% fp32")]
     runs = {n: build(n, base, args.scape_warmup, args.mask_refresh, args.kernels) for n in names}
     data_of = {n: batches(data, args.batch, args.context, seed=1000 * rank) for n in names}
     instrument()
@@ -240,6 +248,7 @@ def main() -> None:
     p.add_argument("--mask-refresh", type=int, default=1, help="ScapeConfig.mask_refresh (steps per new mask)")
     p.add_argument("--kernels", default="eager", choices=("eager", "compiled"),
                    help="ScapeConfig.kernels (and AdamS's) for every method; the warm steps include the compiles")
+    p.add_argument("--selections", default="topk", help="ScapeConfig.selection of the SCAPE methods, e.g. topk,groups")
     p.add_argument("--profile", action="store_true", help="also profile two SCAPE 99%% steps (torch.profiler)")
     p.add_argument("--timeout", type=float, default=420)
     p.add_argument("--json", default=str(ROOT / "docs" / "overhead_bench.json"))

@@ -42,7 +42,7 @@ from scape_core import wire as wires
 from scape_core.adams import adams_foreach
 from scape_core.config import ScapeConfig
 from scape_core.layout import FlatLayout, topk_count
-from scape_core.masks import EXCLUDED, PADDING, Mask, age_momentum_score, momentum_residual_score, select
+from scape_core.masks import EXCLUDED, PADDING, SELECTIONS, Mask, age_momentum_score, momentum_residual_score, select
 from scape_core.selection import MaskSelector, partition
 from scape_core.update_rules import UPDATE_RULES
 
@@ -191,14 +191,14 @@ class SimulatedScape:
                     score = e.abs()
                 else:
                     score = momentum_residual_score(self.m[rows], e, self.hp["beta1"])
-                parts.append(select(score, layout, shape, scheduled, rows))
+                parts.append(SELECTIONS[self.config.selection](score, layout, shape, scheduled, rows))
             payload = layout.block(self.world_size) * shape.k * 2  # the largest partition, int16
             self.counters.mask_bytes += payload
             self.counters.bytes_sent += payload
             return Mask(shape.density, torch.cat(parts))
         score = self._replicated_score(target)
         if self.scope == "row" and self.vector_density is None:
-            return Mask(shape.density, select(score, layout, shape, scheduled))
+            return Mask(shape.density, SELECTIONS[self.config.selection](score, layout, shape, scheduled))
         # prototypes: entries chosen outside the per-row shape (the mask keeps only its flat entries)
         flat = score.view(-1)
         if scheduled is not None:

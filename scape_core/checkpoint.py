@@ -175,8 +175,9 @@ def save_checkpoint(path: str | os.PathLike, state: "ScapeState", *, arrival_tim
         >>> sorted(load_checkpoint(path, state, model=ddp.module))
         ['model', 'scape', 'step']
     """
+    rank0 = dist.get_rank(state.process_group) == 0
     every_rank_arrives("save_checkpoint", state.process_group, ARRIVAL_TIMEOUT if arrival_timeout is None
-                       else arrival_timeout)
+                       else arrival_timeout, verdict=unwritable(path) if rank0 else None)
     full = gather_state_dict(state)
     for obj in objects.values():  # a sharded optimizer (ScapeAdamS, torch's ZeroRedundancyOptimizer) gathers first
         if hasattr(obj, "consolidate_state_dict"):
@@ -189,6 +190,25 @@ def save_checkpoint(path: str | os.PathLike, state: "ScapeState", *, arrival_tim
         torch.save(payload, tmp)
         os.replace(tmp, path)
     dist.barrier(group=state.process_group)
+
+
+def unwritable(path: str | os.PathLike) -> str | None:
+    """Why a checkpoint file cannot be written at ``path`` here (``None``: it can), checked before
+    anything is gathered, so that every rank raises the same error instead of waiting for rank 0.
+
+    Example:
+        >>> unwritable("/no/such/folder/ckpt.pt")
+        'save_checkpoint: the folder /no/such/folder does not exist (create it first, on the machine of rank 0)'
+    """
+    target = Path(path)
+    folder = target.parent
+    if target.is_dir():
+        return f"save_checkpoint: {target} is a folder; pass a file name (e.g. {target / 'ckpt.pt'})"
+    if not folder.is_dir():
+        return f"save_checkpoint: the folder {folder} does not exist (create it first, on the machine of rank 0)"
+    if not os.access(folder, os.W_OK):
+        return f"save_checkpoint: the folder {folder} is not writable"
+    return None
 
 
 def verify_file(path: str | os.PathLike) -> None:
@@ -268,7 +288,8 @@ def load_checkpoint(path: str | os.PathLike, state: "ScapeState", **objects: Any
     return payload
 
 
-def every_rank_arrives(what: str, group: dist.ProcessGroup | None, timeout: float, hint: str | None = None) -> None:
+def every_rank_arrives(what: str, group: dist.ProcessGroup | None, timeout: float, hint: str | None = None,
+                       verdict: str | None = None) -> None:
     """Raise ``RuntimeError`` unless every rank of ``group`` also calls ``what`` within ``timeout`` seconds.
 
     Each call is matched by its number on this rank (the n-th ``what`` of every rank) through the
@@ -276,13 +297,17 @@ def every_rank_arrives(what: str, group: dist.ProcessGroup | None, timeout: floa
     half-matched collective behind. This rank raises; the others fail at their next collective
     once it exits. A rank that arrives after another gave up raises too. Each rank keeps one key
     in the store (its latest call's), so frequent checkpoints do not fill it. ``hint``: what the
-    error tells the user to do instead (default: call it on every rank).
+    error tells the user to do instead (default: call it on every rank). ``verdict``: rank 0's
+    reason to stop (e.g. its checkpoint folder does not exist), posted before it arrives: every
+    rank then raises the same ``ValueError``, before any collective.
 
     Example:
         >>> every_rank_arrives("save_checkpoint", None, timeout=30.0)  # doctest: +SKIP
     """
     world = dist.get_world_size(group)
     if world == 1:
+        if verdict:
+            raise ValueError(verdict)
         return
     pg = group if group is not None else dist.group.WORLD
     rank = dist.get_rank(group)
@@ -291,6 +316,10 @@ def every_rank_arrives(what: str, group: dist.ProcessGroup | None, timeout: floa
     prefix = f"scape/{what}/{number}"
     if number:  # every rank passed the previous call (its collective followed): its key is spent
         store.delete_key(f"scape/{what}/{number - 1}/{rank}")
+        if rank == 0:
+            store.delete_key(f"scape/{what}/{number - 1}/verdict")
+    if rank == 0:
+        store.set(f"{prefix}/verdict", verdict or "")  # before arriving: every rank finds it once all arrived
     store.set(f"{prefix}/{rank}", "1")
     try:
         store.wait([f"{prefix}/{r}" for r in range(world)], timedelta(seconds=timeout))
@@ -304,3 +333,6 @@ def every_rank_arrives(what: str, group: dist.ProcessGroup | None, timeout: floa
     if store.check([f"{prefix}/abandoned"]):
         raise RuntimeError(f"{what} is collective: rank {store.get(f'{prefix}/abandoned').decode()} stopped waiting "
                            f"for this rank after {timeout:g} s; call {what} on every rank at the same point")
+    found = store.get(f"{prefix}/verdict").decode()
+    if found:
+        raise ValueError(found)

@@ -10,6 +10,7 @@ from typing import Any, Iterable, Mapping
 
 from scape_core.kernels import KERNELS
 from scape_core.layout import MAX_CHUNK
+from scape_core.masks import SELECTIONS
 from scape_core.schedule import MaskSchedule
 from scape_core.update_rules import UPDATE_RULES
 
@@ -76,6 +77,12 @@ class ScapeConfig:
             score, the decay and update, dense AdamS) as torch operators; ``"compiled"`` runs them
             as ``torch.compile``'d fused loops (:mod:`scape_core.kernels`): fewer passes over memory
             (``docs/benchmarks.md``), at a compile of seconds per pass in each process's first steps.
+        selection: how a row's ``k`` picks are chosen from the score. ``"topk"`` (default): the
+            ``k`` largest scores of the row. ``"groups"``: the row cut into ``k`` contiguous groups
+            of ``chunk_size // k`` or one more coordinates, and the largest score of each (ties:
+            the lowest column): a reduction instead of a top-k, with ascending columns. Both are
+            computed identically on every rank from replicated values, with a fixed number of
+            picks per row (``docs/algorithm.md``).
 
     Example:
         >>> ScapeConfig(sparsity=0.9, warmup_steps=20).density
@@ -98,6 +105,7 @@ class ScapeConfig:
     wire_block: int = 128
     skip_streak_warning: int = 5
     kernels: str = "eager"
+    selection: str = "topk"
 
     def __post_init__(self) -> None:
         normalized = {  # any real number type (numpy scalars included) is kept as a Python float / int
@@ -117,6 +125,8 @@ class ScapeConfig:
             raise ValueError(f"chunk_size must be <= {MAX_CHUNK} (columns are int16), got {self.chunk_size!r}")
         if self.kernels not in KERNELS:
             raise ValueError(f"kernels must be one of {KERNELS}, got {self.kernels!r}")
+        if self.selection not in SELECTIONS:
+            raise ValueError(f"selection must be one of {tuple(SELECTIONS)}, got {self.selection!r}")
         if self.wire not in WIRES:
             raise ValueError(f"wire must be one of {WIRES}, got {self.wire!r}")
         object.__setattr__(self, "wire_block", _check_int("wire_block", self.wire_block, minimum=8))
@@ -243,8 +253,8 @@ class ScapeConfig:
         holds masks for. Another ``sparsity`` is refused. Another ``warmup_steps`` or
         ``mask_delay`` is accepted when the checkpoint holds every mask this config needs
         before it selects its own (e.g. both warm-ups ended before the saved step), and
-        refused, naming the setting, when it does not. ``ramp_steps``, ``mask_refresh`` and
-        ``score`` only shape masks not yet chosen: any value resumes.
+        refused, naming the setting, when it does not. ``ramp_steps``, ``mask_refresh``, ``score``
+        and ``selection`` only shape masks not yet chosen: any value resumes.
 
         Example:
             >>> ScapeConfig(warmup_steps=3).check_resume(ScapeConfig(warmup_steps=10).to_dict(), step=6, masks=[])

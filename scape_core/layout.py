@@ -246,7 +246,38 @@ class MaskShape:
         for c in counts:
             self._offsets.append(self._offsets[-1] + c)
         self._ranges: dict[tuple[str, ...], _Ranges] = {}
+        self._group_index: Tensor | None = None
         self._pieces: dict[tuple[str, ...], tuple[ParamPiece, ...]] = {}
+
+    @property
+    def group_index(self) -> Tensor:
+        """The columns of every group of each shorter row for ``selection="groups"``: ``(P, k, G)``
+        int64, group ``i < count`` of a row of ``len`` columns is ``len // count`` or one more
+        contiguous columns (the wider first), padded with its first column to the widest ``G``;
+        slots past the row's count point at the padding column ``chunk - 1``. Built once.
+
+        Example:
+            >>> layout = FlatLayout({"w": torch.zeros(13)}, chunk=8)   # a short row of 5
+            >>> layout.mask_shape(0.5).group_index.tolist()         # k = 4, count 3: groups of 2, 2, 1
+            [[[0, 1], [2, 3], [4, 4], [7, 7]]]
+        """
+        if self._group_index is None:
+            layout, rows = self._layout, []
+            widest = max([-(-n // c) for n, c in zip(layout.partial_len, self.partial_counts) if c] or [1])
+            for n, c in zip(layout.partial_len, self.partial_counts):
+                g, r = divmod(n, c) if c else (0, 0)
+                groups = []
+                for i in range(self.k):
+                    if i >= c:
+                        groups.append([layout.chunk - 1] * widest)
+                        continue
+                    first = i * g + min(i, r)
+                    size = g + (i < r)
+                    groups.append([first + j for j in range(size)] + [first] * (widest - size))
+                rows.append(groups)
+            self._group_index = torch.tensor(rows, dtype=torch.long, device=layout.device).view(
+                len(rows), self.k, widest)
+        return self._group_index
 
     def ranges(self, names: tuple[str, ...]) -> list[tuple[int, int]]:
         """The entry ranges of the parameters ``names`` (e.g. one DDP bucket's), merged."""

@@ -22,6 +22,7 @@ EXCLUDED, PADDING = -1.0, -2.0  # scores are >= 0: excluded coordinates rank aft
 # fp32 scores are ranked by their bits as int32 (the same order for every score >= 0, and a faster top-k on
 # the CPU: 32 ms instead of 44 for 10M scores at k = 41), the sentinels as the negative ints below
 EXCLUDED_KEY, PADDING_KEY = -1, -2
+INT32_MIN = -2 ** 31  # or-ed into an excluded key: negative, and the excluded keep their order among themselves
 
 
 @dataclass
@@ -107,6 +108,62 @@ def select(score: Tensor, layout: FlatLayout, shape: MaskShape, exclude: Mask | 
         valid = shape.partial_valid.index_select(0, which)
         cols.index_copy_(0, local, best.masked_fill_(~valid, layout.chunk - 1))
     return cols.to(torch.int16)
+
+
+def group_argmax(keys: Tensor, size: int, k: int) -> Tensor:
+    """The column of the largest key in each of ``k`` contiguous groups of the rows' first ``size``
+    columns: the first ``size % k`` groups hold ``size // k + 1`` columns, the others ``size // k``;
+    ties go to the lowest column. Reads ``keys`` through views (no copy); returns ``(rows, k)`` int64.
+
+    Example:
+        >>> group_argmax(torch.tensor([[5, 1, 1, 7, 2, 2, 0]]), 7, 3)   # groups [0, 3), [3, 5), [5, 7)
+        tensor([[0, 3, 5]])
+    """
+    g, r = divmod(size, k)
+    wide = r * (g + 1)
+    parts = []
+    if r:
+        offsets = torch.arange(0, wide, g + 1, device=keys.device)
+        parts.append(keys[:, :wide].unflatten(1, (r, g + 1)).argmax(-1).add_(offsets))
+    if k - r:
+        offsets = torch.arange(wide, size, g, device=keys.device)
+        parts.append(keys[:, wide:size].unflatten(1, (k - r, g)).argmax(-1).add_(offsets))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
+
+
+def select_groups(score: Tensor, layout: FlatLayout, shape: MaskShape, exclude: Mask | None = None,
+                  rows: slice = slice(None)) -> Tensor:
+    """One pick per group: each row of ``chunk`` columns cut into ``k`` contiguous groups
+    (:func:`group_argmax`), and in each the column with the largest score (ties: the lowest); a
+    parameter's shorter last row is cut into its own ``count`` groups over its own length (its
+    other slots hold a padding column). Overwrites ``score``; ``exclude``'s coordinates (the mask
+    being flushed) are taken only where a group has no other, the best of them. A reduction, not
+    a top-k; columns ascend in every row.
+
+    Example:
+        >>> layout = FlatLayout({"w": torch.zeros(6)}, chunk=4)        # rows: 4 + 2 (padded)
+        >>> score = torch.tensor([[0.1, 3.0, 2.0, 5.0], [7.0, 1.0, 0.0, 0.0]])
+        >>> select_groups(score, layout, layout.mask_shape(0.5)).tolist()  # groups [0, 2), [2, 4); the short row [0, 2)
+        [[1, 3], [0, 3]]
+    """
+    start = rows.start or 0
+    stop = layout.rows if rows.stop is None else rows.stop
+    keys = score.view(torch.int32) if score.dtype == torch.float32 else score  # the bits order scores >= 0
+    if exclude is not None:  # below every free score, in their own order: a group with no other takes its best
+        at = exclude.cols[start:stop].long()
+        below = keys.gather(1, at)
+        keys.scatter_(1, at, below.bitwise_or_(INT32_MIN) if keys.dtype == torch.int32 else -1 / (1 + below))
+    cols = group_argmax(keys, layout.chunk, shape.k)
+    partial = layout.partial_rows_in(start, stop)
+    if partial is not None:  # short rows: their own groups, gathered through a fixed index
+        local, _, which = partial
+        index = shape.group_index.index_select(0, which)  # (short rows, k, widest group)
+        short = keys.index_select(0, local).gather(1, index.flatten(1)).view(index.shape)
+        cols.index_copy_(0, local, index.gather(2, short.argmax(-1, keepdim=True)).squeeze(-1))
+    return cols.to(torch.int16)
+
+
+SELECTIONS = {"topk": select, "groups": select_groups}  # ScapeConfig.selection -> the rule
 
 
 def strided(layout: FlatLayout, shape: MaskShape) -> Mask:

@@ -209,6 +209,8 @@ class ScapeAdamS(AdamS):
                 params.append(p)
                 names.append(self._names[p])
             groups.append((group, params))
+        if not names and not self.scape.record.synced:  # no backward since the last step: as torch's, nothing
+            return loss  # to update, and the schedule does not advance (a SCAPE step is one synchronized backward)
         mask, skip = self.scape.begin_step(names)
         self._consolidated = None
         if mask is not None and self._every_gradient and len(names) != len(self._names):

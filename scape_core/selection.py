@@ -21,7 +21,7 @@ from scape_core.compat import all_gather_into_tensor
 from scape_core.config import ScapeConfig
 from scape_core.kernels import Kernels
 from scape_core.layout import FlatLayout, MaskShape
-from scape_core.masks import Mask, age_momentum_score, momentum_residual_score, select, strided
+from scape_core.masks import SELECTIONS, Mask, age_momentum_score, momentum_residual_score, strided
 
 # the CPU scores (and top-k's) 1M values at a time: a 4 MB scratch at any model size instead of 4 B per
 # parameter, and no slower (25M scores at k = 41: 130-153 ms in blocks of 256 rows, 133-168 ms at once)
@@ -189,7 +189,7 @@ class MaskSelector:
             w = None if windows is None else windows[at]
             s = score(self.config.resolved_score, m[at], e, w, target, beta1,
                       out=self.workspace(block.stop - block.start), kernels=self.kernels)
-            picked.append(select(s, self.layout, shape, scheduled, block))
+            picked.append(SELECTIONS[self.config.selection](s, self.layout, shape, scheduled, block))
         return picked[0] if len(picked) == 1 else torch.cat(picked)
 
     def finish_pending(self) -> None:

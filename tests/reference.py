@@ -112,6 +112,44 @@ def topk_violation(score: Tensor, picked: Tensor, k: int, excluded: Tensor | Non
     return max(0.0, gap / max(float(score[outside].max().abs()), 1e-30))
 
 
+def group_bounds(size: int, k: int) -> list[tuple[int, int]]:
+    """``selection="groups"``: ``k`` contiguous groups of a row of ``size``, the first ``size % k`` one
+    coordinate wider (written out, not the core's arithmetic)."""
+    bounds, lo = [], 0
+    for i in range(k):
+        width = size // k + (1 if i < size % k else 0)
+        bounds.append((lo, lo + width))
+        lo += width
+    assert lo == size
+    return bounds
+
+
+def groups_violation(score: Tensor, picked: Tensor, k: int, excluded: Tensor | None) -> float:
+    """How far ``picked`` is from one best pick per group of ``score`` (float64), excluded coordinates
+    taken only where a group has nothing else: 0 when each pick scores at least every other
+    candidate of its group (ties allowed); ``inf`` for a wrong count, two picks in a group or an
+    avoidable excluded pick; else the largest relative shortfall."""
+    if picked.numel() != k:
+        return math.inf
+    free = torch.ones(score.numel(), dtype=torch.bool)
+    if excluded is not None:
+        free[excluded] = False
+    worst = 0.0
+    for lo, hi in group_bounds(score.numel(), k):
+        inside = picked[(picked >= lo) & (picked < hi)]
+        if inside.numel() != 1:
+            return math.inf
+        candidates = torch.arange(lo, hi)
+        if free[lo:hi].any():
+            if not free[inside].all():
+                return math.inf
+            candidates = candidates[free[lo:hi]]
+        best = float(score[candidates].double().max())
+        gap = best - float(score[inside].double().max())
+        worst = max(worst, gap / max(abs(best), 1e-30))
+    return worst
+
+
 def step(before: list[dict], grads: list[dict[str, Tensor]], mask: dict[str, Tensor] | None, *, rule: str,
          lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
          error_feedback: bool = True, wire: torch.dtype | None = None,

@@ -443,7 +443,7 @@ def test_cli_config_interactive_flags_and_env(tmp_path):
     env = _env(tmp_path)
     path = Path(env["HF_HOME"]) / "accelerate" / "scape_config.yaml"
     # interactive: an invalid answer is asked again, empty answers keep defaults
-    answers = "0.8\nabc\n5\n\n\nno\n\n\n\n\nyes\n\n\n\n\n"  # one line per ScapeConfig field (abc: asked again)
+    answers = "0.8\nabc\n5\n\n\nno\n\n\n\n\nyes\n\n\n\n\n\n"  # one line per ScapeConfig field (abc: asked again)
     proc = _run(_scape_cli() + ["config"], env, input=answers)
     assert "expects an int" in proc.stdout and str(path) in proc.stdout
     assert load_config_file(path) == ScapeConfig(sparsity=0.8, warmup_steps=5, error_feedback=False,

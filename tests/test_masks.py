@@ -5,7 +5,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scape_core.layout import FlatLayout, topk_count
-from scape_core.masks import Mask, select, strided
+from scape_core.masks import Mask, select, select_groups, strided
+from tests import reference
 
 densities = st.sampled_from([1e-6, 0.001, 0.01, 0.1, 0.25, 0.5, 0.999999])
 sizes = st.lists(st.integers(1, 300), min_size=1, max_size=5)
@@ -72,6 +73,45 @@ def test_select_takes_the_best_of_every_row_and_the_entries_are_each_rows_share(
                     assert row[picked].min() >= row[left].max()
 
 
+@settings(max_examples=60, deadline=None)
+@given(sizes, chunks, densities, st.integers(0, 2**31 - 1), st.booleans(), st.booleans())
+def test_groups_take_the_best_of_every_group_in_ascending_columns(numels, chunk, density, seed, with_exclude, ties):
+    """``selection="groups"`` against the float64 reference: each row's share, one pick per group
+    (its best free score, ties to the lowest column), columns ascending, the short rows over their own length."""
+    layout = layout_of(numels, chunk)
+    shape = layout.mask_shape(density)
+    g = torch.Generator().manual_seed(seed)
+    score = torch.rand(layout.rows, chunk, generator=g)
+    if ties:
+        score = score.mul_(3).floor_()  # three values: many ties
+    exclude = Mask(density, torch.randint(0, chunk, (layout.rows, shape.k), generator=g).to(torch.int16)) \
+        if with_exclude else None
+    mask = Mask(density, select_groups(score.clone(), layout, shape, exclude))
+    assert mask.cols.shape == (layout.rows, shape.k) and mask.cols.dtype == torch.int16
+    entries = mask.flat(layout)
+    assert entries.numel() == shape.entries and entries.unique().numel() == entries.numel()
+    for i, n in enumerate(numels):
+        first = layout.first_row[f"p{i}"]
+        for r in range(-(-n // chunk)):
+            length = min(chunk, n - r * chunk)
+            lo = (first + r) * chunk
+            picked = entries[(entries >= lo) & (entries < lo + length)] - lo
+            k = topk_count(length, density)
+            assert torch.equal(picked, picked.sort().values)  # ascending
+            excluded = None
+            if exclude is not None:
+                cols = exclude.cols[first + r].long()
+                excluded = cols[cols < length]
+            assert reference.groups_violation(score[first + r, :length], picked, k, excluded) == 0.0
+            for (g_lo, g_hi), pick in zip(reference.group_bounds(length, k), picked.tolist()):  # ties: lowest
+                row = score[first + r, g_lo:g_hi].clone()
+                if excluded is not None:
+                    out = excluded[(excluded >= g_lo) & (excluded < g_hi)] - g_lo
+                    if out.unique().numel() < row.numel():
+                        row[out] = -1.0
+                assert pick == g_lo + int(torch.nonzero(row == row.max())[0])
+
+
 @given(sizes, chunks, densities)
 def test_strided_masks_have_every_rows_share(numels, chunk, density):
     layout = layout_of(numels, chunk)
@@ -101,15 +141,16 @@ def test_bucket_ranges_cover_each_parameters_entries_once(numels, chunk, density
 
 @settings(max_examples=25, deadline=None)
 @given(sizes, chunks, st.sampled_from([0.05, 0.25, 0.5]), st.integers(1, 5), st.sampled_from(SCORES),
-       st.integers(0, 2 ** 16))
-def test_selection_in_the_cpus_blocks_of_rows_equals_one_pass(numels, chunk, density, block_rows, kind, seed):
+       st.integers(0, 2 ** 16), st.sampled_from(["topk", "groups"]))
+def test_selection_in_the_cpus_blocks_of_rows_equals_one_pass(numels, chunk, density, block_rows, kind, seed, rule):
     """The CPU scores and selects a block of rows at a time (a bounded scratch): the same columns as
     one pass, with the mask being flushed excluded, short rows, and for a partition of the rows."""
     import scape_core.selection as selection
     from scape_core.config import ScapeConfig
 
     layout = layout_of(numels + [2 * chunk + 3], chunk)  # at least 3 rows, one of them short
-    config = ScapeConfig(sparsity=1 - density, warmup_steps=2, ramp_steps=0, wire="native", score=kind)
+    config = ScapeConfig(sparsity=1 - density, warmup_steps=2, ramp_steps=0, wire="native", score=kind,
+                         selection=rule)
     shape = layout.mask_shape(density)
     g = torch.Generator().manual_seed(seed)
     m = torch.randn(layout.rows, chunk, generator=g).round_(decimals=1)  # ties, resolved alike in both

@@ -360,6 +360,30 @@ def _optimizer_misuse(rank) -> dict:
     return out
 
 
+def _step_without_backward(rank):
+    """``optimizer.step()`` with no backward since the last one does nothing, as torch's optimizers (case 6)."""
+    model = make_model()
+    ddp, state, opt = scape_setup(model, 0.9)
+    train(ddp, opt, rank, 3)
+    before = (state.step, dict(state.counters), [p.detach().clone() for p in model.parameters()])
+    opt.step()
+    opt.step()
+    after = (state.step, dict(state.counters), [p.detach().clone() for p in model.parameters()])
+    train(ddp, opt, rank, 1, start=3)
+    return dict(same=before[0] == after[0] and before[1] == after[1]
+                and all(torch.equal(a, b) for a, b in zip(before[2], after[2])), step=state.step)
+
+
+def _save_into_a_missing_folder(rank, tmp):
+    """Every rank gets rank 0's error before any collective, and the run trains on (issue 35, case 7)."""
+    model = make_model()
+    ddp, state, opt = scape_setup(model, 0.9)
+    train(ddp, opt, rank, 2)
+    error = failure(lambda: save_checkpoint(Path(tmp) / "missing" / "ckpt.pt", state, model=model))
+    train(ddp, opt, rank, 2)  # a caught error leaves no rank inside a collective: the next backward runs
+    return error, state.step
+
+
 def _save_on_rank0_only(rank, tmp):
     """Last in the launch: a rank-0-only save leaves the ranks' save counts apart."""
     import time
@@ -379,7 +403,9 @@ def _save_on_rank0_only(rank, tmp):
 
 def _misuse_launch(rank, world, tmp):
     return dict(unsynchronized=_unsynchronized_steps(rank), schedule=_changed_schedule(rank),
-                optimizer=_optimizer_misuse(rank), save_rank0=_save_on_rank0_only(rank, tmp))
+                optimizer=_optimizer_misuse(rank), no_backward=_step_without_backward(rank),
+                missing_folder=_save_into_a_missing_folder(rank, tmp),
+                save_rank0=_save_on_rank0_only(rank, tmp))
 
 
 @pytest.fixture(scope="module")
@@ -450,6 +476,18 @@ def test_save_checkpoint_on_rank_0_only_fails_in_seconds(misuse):
                             "did not call it within 2 s of rank 0")
     assert "not under `if rank == 0:`" in error and "arrival_timeout" in error
     assert 2 <= elapsed < 10 and not written
+
+
+def test_a_step_without_backward_does_nothing_and_the_schedule_stays(misuse):
+    for r in misuse:
+        assert r["no_backward"] == dict(same=True, step=4), r["no_backward"]
+
+
+def test_save_checkpoint_into_a_missing_folder_fails_on_every_rank_and_training_goes_on(misuse):
+    errors = [r["missing_folder"][0] for r in misuse]
+    assert errors[0] == errors[1] and errors[0].startswith("ValueError: save_checkpoint: the folder "), errors
+    assert "does not exist" in errors[0]
+    assert [r["missing_folder"][1] for r in misuse] == [4, 4]
 
 
 def test_numbers_of_any_numeric_type_are_accepted():
