@@ -40,20 +40,30 @@ def test_views_tile_the_parameters_without_overlap(numels, chunk):
         assert torch.all(layout.view(buffer, f"p{i}") == i + 1)
 
 
-@settings(max_examples=60, deadline=None)
-@given(sizes, chunks, densities, st.integers(0, 2**31 - 1), st.booleans())
-def test_select_takes_the_best_of_every_row_and_the_entries_are_each_rows_share(numels, chunk, density, seed,
-                                                                                with_exclude):
+def _selected(rule, numels: list[int], chunk: int, density: float, seed: int, with_exclude: bool,
+              ties: bool = False) -> tuple:
+    """A random score (``ties``: three values), a random mask to exclude, and ``rule``'s mask of it,
+    checked for its fixed shape: ``(layout, score, exclude, entries)``."""
     layout = layout_of(numels, chunk)
     shape = layout.mask_shape(density)
     g = torch.Generator().manual_seed(seed)
     score = torch.rand(layout.rows, chunk, generator=g)
+    if ties:
+        score = score.mul_(3).floor_()
     exclude = Mask(density, torch.randint(0, chunk, (layout.rows, shape.k), generator=g).to(torch.int16)) \
         if with_exclude else None
-    mask = Mask(density, select(score.clone(), layout, shape, exclude))
+    mask = Mask(density, rule(score.clone(), layout, shape, exclude))
     assert mask.cols.shape == (layout.rows, shape.k) and mask.cols.dtype == torch.int16
     entries = mask.flat(layout)
     assert entries.numel() == shape.entries and entries.unique().numel() == entries.numel()
+    return layout, score, exclude, entries
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes, chunks, densities, st.integers(0, 2**31 - 1), st.booleans())
+def test_select_takes_the_best_of_every_row_and_the_entries_are_each_rows_share(numels, chunk, density, seed,
+                                                                                with_exclude):
+    layout, score, exclude, entries = _selected(select, numels, chunk, density, seed, with_exclude)
     for i, n in enumerate(numels):  # per parameter: each row's share, the best scores, nothing excluded if avoidable
         first = layout.first_row[f"p{i}"]
         for r in range(-(-n // chunk)):
@@ -78,18 +88,7 @@ def test_select_takes_the_best_of_every_row_and_the_entries_are_each_rows_share(
 def test_groups_take_the_best_of_every_group_in_ascending_columns(numels, chunk, density, seed, with_exclude, ties):
     """``selection="groups"`` against the float64 reference: each row's share, one pick per group
     (its best free score, ties to the lowest column), columns ascending, the short rows over their own length."""
-    layout = layout_of(numels, chunk)
-    shape = layout.mask_shape(density)
-    g = torch.Generator().manual_seed(seed)
-    score = torch.rand(layout.rows, chunk, generator=g)
-    if ties:
-        score = score.mul_(3).floor_()  # three values: many ties
-    exclude = Mask(density, torch.randint(0, chunk, (layout.rows, shape.k), generator=g).to(torch.int16)) \
-        if with_exclude else None
-    mask = Mask(density, select_groups(score.clone(), layout, shape, exclude))
-    assert mask.cols.shape == (layout.rows, shape.k) and mask.cols.dtype == torch.int16
-    entries = mask.flat(layout)
-    assert entries.numel() == shape.entries and entries.unique().numel() == entries.numel()
+    layout, score, exclude, entries = _selected(select_groups, numels, chunk, density, seed, with_exclude, ties)
     for i, n in enumerate(numels):
         first = layout.first_row[f"p{i}"]
         for r in range(-(-n // chunk)):
