@@ -266,6 +266,9 @@ def load_checkpoint(path: str | os.PathLike, state: "ScapeState", **objects: Any
     raises ``ValueError`` and leaves the run's own state as it was. At another world size every
     rank gets the mean residual.
     """
+    if Path(path).is_dir():
+        raise ValueError(f"{str(path)!r} is a folder, not a save_checkpoint file: an FSDP2 checkpoint (DCP) loads with "
+                         "scape_core.load_fsdp_checkpoint(path, model, optimizer)")
     verify_file(path)
     try:
         payload = torch.load(path, map_location="cpu", weights_only=False)

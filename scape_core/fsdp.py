@@ -30,6 +30,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import warnings
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any, Callable, Iterable
@@ -94,6 +96,9 @@ def check_fsdp_config(config: ScapeConfig) -> None:
                          "already (sharded inside the node)")
 
 
+ONE_REPLICA = ("SCAPE: the replicate group has one rank (a (1, N) mesh): there is nothing to exchange across "
+               "replicas, so stats() reports 0 bytes and compression 1.0, but sparse steps still update only each "
+               "step's mask, which is not AdamS. With one replica use FSDP2 and scape_core.AdamS (or sparsity=0)")
 SYNCED_TWICE = ("the FSDP all-reduce hook ran twice for {name!r}'s group without ScapeFSDPAdamS.step() in between: "
                 "every sync flushes residuals that only the SCAPE optimizer applies (accumulate under "
                 "model.set_requires_gradient_sync(False))")
@@ -143,6 +148,8 @@ class ScapeFSDPState(ScapeStateBase):
             g.offsets = [sum(g.split[:2 * i]) for i in range(len(g.names))]
         for g in self.groups:
             g.module.set_all_reduce_hook(partial(self.reduce, g))  # type: ignore[attr-defined]
+        if self.world_size == 1 and dist.get_rank() == 0:
+            warnings.warn(ONE_REPLICA, stacklevel=2)
 
     def new_record(self) -> StepRecord:
         return StepRecord(self.buckets, already=SYNCED_TWICE)
@@ -208,7 +215,7 @@ class ScapeFSDPState(ScapeStateBase):
         counters. Tensors stay on the device; :func:`save_fsdp_checkpoint` writes it with DCP."""
         self.selector.finish_pending()
         masks = {str(t): m.cols for t, m in self.masks.items()}
-        meta = dict(step=self.step, config=self.config.to_dict(), rows=self.layout.rows,
+        meta = dict(step=self.step, config=self.config.to_dict(), rows=self.layout.rows, mesh=self.mesh(),
                     densities={str(t): m.density for t, m in self.masks.items()}, sparse_started=self._sparse,
                     counters=dict(self.counters), residual=self.residual_buffer is not None,
                     windows=self.window_buffer is not None)
@@ -219,9 +226,24 @@ class ScapeFSDPState(ScapeStateBase):
             out["windows"] = self.window_buffer
         return out
 
+    def mesh(self) -> list[int]:
+        """``[replicas, this replica's rank, shards, this shard's rank]``: where this rank's state belongs."""
+        shards = dist.get_world_size(self.shard_group) if self.shard_group is not None else 1
+        shard = dist.get_rank(self.shard_group) if self.shard_group is not None else 0
+        return [self.world_size, self.rank, shards, shard]
+
+    def check_mesh(self, meta: dict[str, Any]) -> None:
+        """Refuse a state saved at another mesh (every rank decides alike, before anything loads)."""
+        saved = meta.get("mesh")
+        if saved is not None and (saved[0], saved[2]) != (self.world_size, self.mesh()[2]):
+            raise ValueError(f"this FSDP2 checkpoint was saved on a ({saved[0]}, {saved[2]}) (replicate, shard) mesh, "
+                             f"this run has ({self.world_size}, {self.mesh()[2]}): SCAPE's residuals and masks belong "
+                             "to their shard and replica, so resume at the saved mesh")
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (the same rank's, at the same mesh)."""
         meta = json.loads(state["meta"])
+        self.check_mesh(meta)
         if meta["rows"] != self.layout.rows:
             raise ValueError(f"SCAPE state of {meta['rows']} rows, this shard has {self.layout.rows}: resume at the "
                              "same mesh and model")
@@ -316,6 +338,9 @@ def load_fsdp_checkpoint(checkpoint_id: Any, model: nn.Module, optimizer: ScapeF
         >>> load_fsdp_checkpoint("ckpt/step_1000", model, opt)   # doctest: +SKIP
     """
     import torch.distributed.checkpoint as dcp
+    if isinstance(checkpoint_id, (str, os.PathLike)) and os.path.isfile(checkpoint_id):
+        raise ValueError(f"{str(checkpoint_id)!r} is a file, not an FSDP2 checkpoint folder (DCP): a save_checkpoint "
+                         "file of the DDP path loads with scape_core.load_checkpoint(path, state, ...)")
     entries: dict[str, Any] = {model_key: model.state_dict()}
     if optimizer is not None:
         key = f"rank{dist.get_rank()}"
@@ -326,6 +351,7 @@ def load_fsdp_checkpoint(checkpoint_id: Any, model: nn.Module, optimizer: ScapeF
         text = unnest(head)[key]["scape"]["meta"]
         meta = json.loads(text)
         state, layout = optimizer.scape, optimizer.scape.layout
+        state.check_mesh(meta)  # before the model or anything else is loaded
         scape: dict[str, Any] = dict(meta=text, skipped=torch.zeros_like(state.skipped),
                                      masks={t: torch.zeros(layout.rows, layout.mask_shape(d).k, dtype=torch.int16)
                                             for t, d in meta["densities"].items()})
@@ -378,8 +404,13 @@ def scape_fsdp(model: nn.Module, mesh: Any, sparsity: float | None = None, *, lr
         raise ValueError(f"mesh is {mesh.ndim}-D and {what}")
     if mesh.mesh_dim_names is None:
         raise ValueError("mesh needs dimension names, e.g. mesh_dim_names=('replicate', 'shard')")
-    _refuse_wrapped(model, fsdp_module, dtensor)
     replicate, shard = mesh.mesh_dim_names
+    if replicate == "shard" or shard == "replicate":  # read by position: names saying the opposite mislead
+        raise ValueError(f"mesh dimensions are named {mesh.mesh_dim_names}, but scape_fsdp reads them in (replicate, "
+                         "shard) order (FSDP2 shards over the second, SCAPE exchanges over the first): build the "
+                         "mesh as init_device_mesh(device, (replicas, ranks_per_replica), mesh_dim_names=('replicate', "
+                         "'shard'))")
+    _refuse_wrapped(model, fsdp_module, dtensor)
     for module in shard_modules:
         fully_shard(module, mesh=mesh[shard])
     fully_shard(model, mesh=mesh[shard])

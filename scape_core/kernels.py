@@ -286,8 +286,12 @@ class Kernels:
         """One AdamS step, one fused loop per tensor (eager: :func:`scape_core.adams.adams_foreach`)."""
         if params:
             cpu = torch.device("cpu")
-            self._fn("AdamS", adams_pass)(params, grads, momenta, self.scalar("lr", lr, cpu),
-                                          self.scalar("decay", 1 - lr * weight_decay, cpu), beta1, beta2, eps)
+            # one compiled copy per set of shapes and dtypes (e.g. per parameter group): dynamo keeps at most 8
+            # graphs per copy, so layer-wise learning rates over many groups would exhaust a single one
+            key = tuple((tuple(p.shape), p.dtype, g.dtype) for p, g in zip(params, grads))
+            self._fn("AdamS", adams_pass, hash(key))(params, grads, momenta, self.scalar("lr", lr, cpu),
+                                                     self.scalar("decay", 1 - lr * weight_decay, cpu), beta1, beta2,
+                                                     eps)
 
     def age_momentum(self, m: Tensor, synced_at: Tensor, target: int, out: Tensor) -> Tensor:
         """``|m| (n - 1)`` into ``out`` in one pass (eager: :func:`scape_core.masks.age_momentum_score`)."""

@@ -25,6 +25,7 @@ import torch.multiprocessing as mp
 
 STALL = float(os.environ.get("SCAPE_TEST_STALL", 120))  # seconds without CPU progress: a hang
 GRACE = 60.0  # seconds the other ranks get to finish once one has failed
+SAMPLE = 10.0  # seconds between two readings of the ranks' CPU time
 
 
 def free_port() -> int:
@@ -81,7 +82,7 @@ def wait_for(procs: list[Any], timeout: float, out: str) -> None:
     while any(p.is_alive() for p in procs):
         time.sleep(0.5)
         now = time.monotonic()
-        if now - sampled >= 10:  # progress: 5% of a core over the last 10 s (a blocked rank uses ~0)
+        if now - sampled >= SAMPLE:  # progress: 5% of a core since the last reading (a blocked rank uses ~0)
             used = _cpu_seconds(procs)
             if used - cpu > 0.05 * (now - sampled):
                 last_progress = now

@@ -124,3 +124,41 @@ def test_a_compiler_that_fails_says_so_and_names_the_eager_kernels(monkeypatch):
 def test_bad_config_names_the_field(kwargs, exc, word):
     with pytest.raises(exc, match=word):
         ScapeConfig(**kwargs)
+
+
+def _many_groups() -> tuple[torch.nn.Module, list[dict]]:
+    """Ten parameter groups of different shapes: layer-wise learning rates."""
+    model = torch.nn.Sequential(*[torch.nn.Linear(3 + i, 4 + i) for i in range(10)])
+    return model, [{"params": list(m.parameters()), "lr": 1e-3 * (i + 1)} for i, m in enumerate(model)]
+
+
+def _steps(opt: AdamS, model: torch.nn.Module) -> None:
+    for step in range(2):
+        for p in model.parameters():
+            p.grad = torch.full_like(p, 0.1 * (step + 1))
+        opt.step()
+
+
+def test_compiled_adams_keys_a_copy_per_group_shapes(monkeypatch):
+    """Issue 35, case 9: one compiled copy per set of shapes (dynamo keeps 8 graphs per copy), not one for
+    all groups; here without compiling (each copy is the eager pass), the compile itself in the slow twin."""
+    import scape_core.kernels as kernels
+    made = []
+    monkeypatch.setattr(kernels, "compile_kernel", lambda fn, name: made.append(name) or fn)
+    model, groups = _many_groups()
+    ref_model = copy.deepcopy(model)
+    _steps(AdamS(groups, kernels="compiled"), model)
+    _steps(AdamS([{**g, "params": list(m.parameters())} for g, m in zip(groups, ref_model)]), ref_model)
+    assert made == ["AdamS"] * 10
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p, q)
+
+
+@pytest.mark.slow  # ten compiles (~1-2 min on a CPU)
+def test_compiled_adams_with_ten_parameter_groups_of_different_shapes():
+    model, groups = _many_groups()
+    ref_model = copy.deepcopy(model)
+    _steps(AdamS(groups, kernels="compiled"), model)
+    _steps(AdamS([{**g, "params": list(m.parameters())} for g, m in zip(groups, ref_model)]), ref_model)
+    for p, q in zip(model.parameters(), ref_model.parameters()):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)

@@ -32,8 +32,9 @@ def test_a_failed_rank_ends_the_run_after_the_grace_with_its_error(monkeypatch):
 
 
 def test_a_run_without_progress_fails_as_a_hang(monkeypatch):
-    monkeypatch.setattr(dist, "STALL", 12.0)
+    monkeypatch.setattr(dist, "STALL", 4.0)
+    monkeypatch.setattr(dist, "SAMPLE", 1.0)
     start = time.monotonic()
-    with pytest.raises(TimeoutError, match=r"no rank made progress for 12s .*ranks without a result: \[0, 1\]"):
+    with pytest.raises(TimeoutError, match=r"no rank made progress for 4s .*ranks without a result: \[0, 1\]"):
         dist.run_distributed(_one_hangs)
-    assert time.monotonic() - start < 90
+    assert time.monotonic() - start < 60

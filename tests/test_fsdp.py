@@ -311,6 +311,7 @@ def _refusals(rank: int, world: int) -> dict:
     mesh = _mesh()
     flat = init_device_mesh("cpu", (4,), mesh_dim_names=("shard",))
     cube = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("replicate", "shard", "tp"))
+    swapped = init_device_mesh("cpu", (2, 2), mesh_dim_names=("shard", "replicate"))
     hsdp = TinyTransformer()
     fully_shard(hsdp, mesh=mesh)
     fsdp1 = FullyShardedDataParallel.__new__(FullyShardedDataParallel)  # an FSDP1 module, not built (CPU)
@@ -323,17 +324,46 @@ def _refusals(rank: int, world: int) -> dict:
         "hsdp_state": failure(lambda: ScapeFSDPState(hsdp, mesh.get_group("replicate"), sparsity=0.99)),
         "not_mesh": failure(lambda: scape_fsdp(TinyTransformer(), "cpu", sparsity=0.99)),
         "sharded_opt": failure(lambda: _scape(mesh, sparsity=0.99, shard_optimizer=True)),
+        "swapped_names": failure(lambda: scape_fsdp(TinyTransformer(), swapped, sparsity=0.99)),
+        "one_replica": _one_replica(init_device_mesh("cpu", (1, 4), mesh_dim_names=("replicate", "shard"))),
     }
 
 
-def test_unsupported_setups_are_refused_naming_the_argument():
-    errors = run_distributed(_refusals, world_size=4)[0]
+def _one_replica(mesh) -> dict:
+    """A (1, 4) mesh trains, warns once (rank 0) and reports no bytes, as DDP at world size 1 (issue 35, case 4)."""
+    import warnings
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        model, opt = _scape(mesh, sparsity=0.99, **SCHEDULE)
+    for step in range(9):
+        _loss(model, step, dist.get_rank()).backward()
+        opt.step()
+        opt.zero_grad()
+    stats = opt.scape.stats()
+    return dict(warned=[str(w.message) for w in seen if "replicate group has one rank" in str(w.message)],
+                bytes=stats["bytes_sent"], compression=stats["compression"], steps=stats["steps"])
+
+
+@pytest.fixture(scope="module")
+def refusals() -> list[dict]:
+    return run_distributed(_refusals, world_size=4)
+
+
+def test_unsupported_setups_are_refused_naming_the_argument(refusals):
+    errors = refusals[0]
     assert "mesh is 1-D" in errors["one_d"] and "no replicate dimension" in errors["one_d"]
     assert "mesh is 3-D" in errors["three_d"] and "tensor" in errors["three_d"]
     assert "FSDP1" in errors["fsdp1"]
     assert "HSDP" in errors["hsdp_state"] and "mesh['shard']" in errors["hsdp_state"]
     assert errors["not_mesh"].startswith("TypeError: mesh must be")
     assert "shard_optimizer" in errors["sharded_opt"]
+    assert errors["swapped_names"].startswith("ValueError: mesh dimensions are named ('shard', 'replicate')")
+
+
+def test_one_replica_warns_and_reports_no_bytes(refusals):
+    for rank, out in enumerate(o["one_replica"] for o in refusals):
+        assert len(out["warned"]) == (rank == 0), out["warned"]
+        assert out["bytes"] == 0 and out["compression"] == 1.0 and out["steps"] == 9
 
 
 # ----------------------------------------------------------------------------------------
@@ -364,12 +394,26 @@ def _resume(rank: int, world: int, path: str) -> dict:
     resumed_step = opt.scape.step
     train(model, opt, save_at, steps)
     again = final(model, opt)
+    from torch.distributed.device_mesh import init_device_mesh
+    other = init_device_mesh("cpu", (4, 1), mesh_dim_names=("replicate", "shard"))  # same rows, another mesh
+    model, opt = _scape(other, sparsity=0.99, **SCHEDULE)
+    untouched = _local(model).clone()
+    refused = failure(lambda: load_fsdp_checkpoint(path, model, opt))
+    refused_clean = torch.equal(untouched, _local(model)) and opt.scape.step == 0
+    from pathlib import Path
+
+    from scape_core import load_checkpoint
+    a_file = str(Path(path).parent / f"ddp_{dist.get_rank()}.pt")
+    torch.save({}, a_file)
+    mixups = dict(file_to_fsdp=failure(lambda: load_fsdp_checkpoint(a_file, model, opt)),
+                  folder_to_ddp=failure(lambda: load_checkpoint(path, opt.scape)))
     model, opt = _scape(mesh, sparsity=0.99, **SCHEDULE)  # gradients zeroed, not freed: FSDP adds into them
     train(model, opt, 0, steps, set_to_none=False)
     kept_grads = final(model, opt)
     return dict(step=resumed_step, differ={k: int((whole[k] != again[k]).sum()) for k in whole},
                 sizes={k: v.numel() for k, v in whole.items()},
-                kept_grads={k: int((whole[k] != kept_grads[k]).sum()) for k in whole})
+                kept_grads={k: int((whole[k] != kept_grads[k]).sum()) for k in whole}, refused=refused,
+                refused_clean=refused_clean, mixups=mixups)
 
 
 def test_a_dcp_checkpoint_resumes_bit_for_bit_at_the_same_mesh_and_zeroed_gradients_train_alike(tmp_path):
@@ -377,6 +421,14 @@ def test_a_dcp_checkpoint_resumes_bit_for_bit_at_the_same_mesh_and_zeroed_gradie
         assert out["step"] == 8
         assert out["differ"] == {"param": 0, "m": 0, "residual": 0, "windows": 0}, (out["differ"], out["sizes"])
         assert out["kept_grads"] == {"param": 0, "m": 0, "residual": 0, "windows": 0}, out["kept_grads"]
+        # saved on (2, 2), loaded on (4, 1): refused before anything loads (issue 35, case 2)
+        assert out["refused"].startswith("ValueError: this FSDP2 checkpoint was saved on a (2, 2)"), out["refused"]
+        assert "this run has (4, 1)" in out["refused"] and out["refused_clean"]
+        # the other path's checkpoint says which loader to use (case 5)
+        assert "is a file, not an FSDP2 checkpoint folder" in out["mixups"]["file_to_fsdp"], out["mixups"]
+        assert "scape_core.load_checkpoint" in out["mixups"]["file_to_fsdp"]
+        assert "is a folder, not a save_checkpoint file" in out["mixups"]["folder_to_ddp"], out["mixups"]
+        assert "load_fsdp_checkpoint" in out["mixups"]["folder_to_ddp"]
 
 
 # ----------------------------------------------------------------------------------------
