@@ -59,7 +59,8 @@ GROUPS = ["linear99_ramp", "lazy80_delay0_refresh2_sharded", "int4", "linear90_c
 CASES.update({f"{case}_groups": {**CASES[case], "config": {**CASES[case]["config"], "selection": "groups"}}
               for case in GROUPS})
 SHARDED = ["linear99_ramp_sharded", "lazy80_delay0_refresh2_sharded"]
-SLOW = {"skips_compiled", "bf16_compiled"}  # -m slow: each compiles its passes afresh (15-20 s in a fresh clone)
+# -m slow: each compiles its passes afresh (15-20 s in a fresh clone)
+SLOW = {"skips_compiled", "bf16_compiled", "linear90_compiled_groups"}
 
 
 def lr_at(step: int) -> float:
@@ -138,6 +139,11 @@ def slow(case: str) -> Any:
     return pytest.param(case, marks=pytest.mark.slow)
 
 
+def _maybe_slow(case: str) -> Any:
+    """``case``, marked ``slow`` if it is one of :data:`SLOW`."""
+    return slow(case) if case in SLOW else case
+
+
 @pytest.mark.parametrize("case", [slow(f"{c}_compiled") if f"{c}_compiled" in SLOW else f"{c}_compiled"
                                   for c in COMPILED])
 def test_compiled_cases_ran_the_compiled_passes(runs, default_runs, case):
@@ -164,7 +170,7 @@ def close(got: torch.Tensor, want: torch.Tensor, what: str, rtol: float = 1e-5, 
 
 @pytest.mark.parametrize("case", ["linear90", "linear99_ramp", "lazy80_delay0_refresh2", "dense", *SHARDED,
                                   "linear90_compiled", "dense_compiled", "linear99_ramp_sharded_compiled",
-                                  *[f"{c}_groups" for c in GROUPS if c != "int4"]])
+                                  *[_maybe_slow(f"{c}_groups") for c in GROUPS if c != "int4"]])
 def test_every_step_follows_the_contract(runs, case):
     cfg = ScapeConfig(**CASES[case]["config"])
     checked = {"dense": 0, "sparse": 0}
@@ -191,7 +197,7 @@ def test_every_step_follows_the_contract(runs, case):
 
 
 @pytest.mark.parametrize("case", ["linear90", "linear99_ramp", "lazy80_delay0_refresh2", *SHARDED,
-                                  "linear90_compiled", *[f"{c}_groups" for c in GROUPS]])
+                                  "linear90_compiled", *[_maybe_slow(f"{c}_groups") for c in GROUPS]])
 def test_masks_are_the_top_k_of_the_contract_score(runs, case):
     """Top-k: the ``k`` best of each row's score; ``selection="groups"``: the best of each group."""
     cfg = ScapeConfig(**CASES[case]["config"])
