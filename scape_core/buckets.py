@@ -103,6 +103,12 @@ class Buckets:
         found = self.plans[key] = BucketPlan(tuple(names), [g.view(-1) for g in grads], tuple(offsets))
         return found
 
+    def repoint(self, plan: BucketPlan, grads: list[Tensor]) -> None:
+        """``plan``'s region moved to a new buffer with the same parameters at the same offsets: only
+        its gradient views change (shaped like each parameter's, or its local shard's)."""
+        plan.grads = [g.view(-1) for g in grads]
+        self.views.update(zip(plan.names, grads))
+
     def staging(self, plans: tuple[BucketPlan, ...], shape: MaskShape,
                 base: list[tuple[int, int]] | None = None) -> "Staging":
         """The plan of an exchange whose regions are ``plans`` (in hook order), at ``shape``'s density;

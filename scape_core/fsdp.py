@@ -77,9 +77,15 @@ class ParamGroup:
     offsets: list[int] = field(default_factory=list)
 
     def region(self, state: "ScapeFSDPState", output: Tensor) -> BucketPlan:
-        """The group's reduce-scatter ``output`` as a region of SCAPE's exchange (resolved once per buffer)."""
+        """The group's reduce-scatter ``output`` as a region of SCAPE's exchange: resolved once, then
+        pointed at each step's output (FSDP2 allocates it anew; its parameters and offsets never change)."""
         grads = [x.view_as(p._local_tensor) for x, p in zip(output.split(self.split)[::2], self.params)]
-        return state.buckets.region((self.index, output.data_ptr()), list(self.names), grads, self.offsets)
+        key = (self.index, 0)
+        plan = state.buckets.plans.get(key)
+        if plan is None:
+            return state.buckets.region(key, list(self.names), grads, self.offsets)
+        state.buckets.repoint(plan, grads)
+        return plan
 
 
 def check_fsdp_config(config: ScapeConfig) -> None:

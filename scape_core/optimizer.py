@@ -261,22 +261,22 @@ class ScapeAdamS(AdamS):
         with_grad = [p for _, params in groups for p in params]
         values, grads = [self._local(p) for p in with_grad], [self._grad(p) for p in with_grad]
         fused = self.scape.kernels.compiled and all_have_grad and self._contiguous(values, grads)
-        (self._sparse_fused if fused else self._sparse_reference)(groups, mask, skip, all_have_grad, **hp)
+        (self._sparse_fused if fused else self._sparse_reference)(groups, with_grad, values, grads, mask, skip,
+                                                                  all_have_grad, **hp)
         record = self.scape.record
         if not record.returns_skipped:  # exchanged region by region: what a skipped step sent goes back now
             record.return_unapplied(self.scape.residual_buffer, mask.flat(self.scape.layout), ~skip)
 
-    def _sparse_reference(self, groups: list[tuple[dict[str, Any], list[Tensor]]], mask: Mask, skip: Tensor,
-                          all_have_grad: bool, **hp: float) -> None:
+    def _sparse_reference(self, groups: list[tuple[dict[str, Any], list[Tensor]]], with_grad: list[Tensor],
+                          values: list[Tensor], grads: list[Tensor], mask: Mask, skip: Tensor, all_have_grad: bool,
+                          **hp: float) -> None:
         """The readable sparse step: the window sums read back from ``p.grad``, the rule on the mask's
         entries, ``u`` written into the regions, every coordinate decayed and moved by ``-lr u``
         through the regions' views, the synchronized gradients put back. A fixed number of
         multi-tensor kernels per group and region, none per parameter."""
         scape, record = self.scape, self.scape.record
         entries = mask.flat(scape.layout)
-        with_grad = [p for _, params in groups for p in params]
-        s = record.gather_gradients([self._names[p] for p in with_grad], [self._grad(p) for p in with_grad],
-                                    entries.numel())
+        s = record.gather_gradients([self._names[p] for p in with_grad], grads, entries.numel())
         applied = ~skip if all_have_grad else self._entries_with_grad(with_grad, entries, ~skip)
         u = self._masked_update(mask, s, applied, hp)
         keep = (~skip).float()
@@ -293,16 +293,15 @@ class ScapeAdamS(AdamS):
         if not all_have_grad:  # a skipped step's values went back at the finish; these did not
             record.return_unapplied(scape.residual_buffer, entries, applied | skip)
 
-    def _sparse_fused(self, groups: list[tuple[dict[str, Any], list[Tensor]]], mask: Mask, skip: Tensor,
-                      all_have_grad: bool, **hp: float) -> None:
+    def _sparse_fused(self, groups: list[tuple[dict[str, Any], list[Tensor]]], with_grad: list[Tensor],
+                      values: list[Tensor], grads: list[Tensor], mask: Mask, skip: Tensor, all_have_grad: bool,
+                      **hp: float) -> None:
         """:meth:`_sparse_reference` as compiled passes that read ``p.grad`` and write the parameters
         in place (the regions are not written): replicated, one pass and the update's
         (:func:`scape_core.kernels.sparse_step_pass`); sharded, the gather, the owners' rule and the
         all-gather of ``u``, then the decay and the update."""
         scape = self.scape
         entries = mask.flat(scape.layout)
-        with_grad = [p for _, params in groups for p in params]
-        values, grads = [self._local(p) for p in with_grad], [self._grad(p) for p in with_grad]
         pieces = scape.layout.mask_shape(mask.density).pieces([self._names[p] for p in with_grad])
         decay, scale = self._decay_and_scale(groups, skip, entries.device)
         if not scape.sharded:
