@@ -129,7 +129,7 @@ def build(cfg: dict, model: nn.Module, args: argparse.Namespace):
     if cfg["kind"] == "topk":
         return SimulatedTopK(model, args.world_size, float(cfg["density"]), warmup, **hp)
     # scapeXX is the contract's reading (lazy rule, residual score, no ramp) whatever the library defaults
-    fields = dict(update="lazy", score="momentum_residual", ramp_steps=int(cfg.get("ramp", 0)))
+    fields = dict(update="lazy", score="momentum_residual", ramp_steps=int(cfg.get("ramp", 0)), selection="topk")
     fields.update({k: cfg[k] for k in ("sparsity", "mask_delay", "mask_refresh", "update", "error_feedback",
                                        "chunk_size", "wire_block", "selection") if k in cfg})
     wire = cfg.get("wire", "native")  # names without a wire predate wire="auto": their values are native

@@ -52,6 +52,8 @@ from benchmarks.bench_common import (
     scape_fields,
     start_rank,
 )
+from scape_core.config import ScapeConfig
+from scape_core.masks import SELECTIONS
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -123,8 +125,8 @@ def build(name: str, base: torch.nn.Module, warmup: int, mask_refresh: int, kern
     fields = {**scape_fields(warmup), "kernels": kernels}
     if " fp32" in name:  # the native wire (the default at 99% is int4 where the core has wires)
         fields["wire"] = "native"
-    if name.endswith(" groups"):  # ScapeConfig(selection="groups"): one pick per group instead of a top-k
-        fields["selection"] = "groups"
+    if name.split()[-1] in SELECTIONS:  # a name ending in "topk" / "groups": that ScapeConfig.selection
+        fields["selection"] = name.split()[-1]
     state = ScapeState(ddp, sparsity=float(name.split()[1].rstrip("%")) / 100, mask_refresh=mask_refresh, **fields)
     ddp.register_comm_hook(state, scape_hook)
     return ddp, ScapeAdamS(ddp.parameters(), state, **hp)
@@ -160,7 +162,8 @@ def derive(p: dict[str, float]) -> dict[str, float]:
 
 def worker(args: argparse.Namespace) -> None:
     rank, _, data, base = start_rank(args.params, args.context, args.layers)
-    names = ["DDP + AdamS"] + [n + ("" if rule == "topk" else f" {rule}") for rule in args.selections.split(",")
+    names = ["DDP + AdamS"] + [n + ("" if rule == ScapeConfig.selection else f" {rule}")
+                               for rule in args.selections.split(",")
                                for n in ("SCAPE 90%", "SCAPE 99%", "SCAPE 99% fp32")]
     runs = {n: build(n, base, args.scape_warmup, args.mask_refresh, args.kernels) for n in names}
     data_of = {n: batches(data, args.batch, args.context, seed=1000 * rank) for n in names}
@@ -248,7 +251,8 @@ def main() -> None:
     p.add_argument("--mask-refresh", type=int, default=1, help="ScapeConfig.mask_refresh (steps per new mask)")
     p.add_argument("--kernels", default="eager", choices=("eager", "compiled"),
                    help="ScapeConfig.kernels (and AdamS's) for every method; the warm steps include the compiles")
-    p.add_argument("--selections", default="topk", help="ScapeConfig.selection of the SCAPE methods, e.g. topk,groups")
+    p.add_argument("--selections", default=ScapeConfig.selection,
+                   help="ScapeConfig.selection of the SCAPE methods, e.g. topk,groups")
     p.add_argument("--profile", action="store_true", help="also profile two SCAPE 99%% steps (torch.profiler)")
     p.add_argument("--timeout", type=float, default=420)
     p.add_argument("--json", default=str(ROOT / "docs" / "overhead_bench.json"))

@@ -54,13 +54,13 @@ CASES = {  # every sparse case runs at its named density (ramp_steps=0) unless i
 COMPILED = ["linear90", "skips", "skip_one_bucket", "dense", "int4", "bf16", "linear99_ramp_sharded"]
 CASES.update({f"{case}_compiled": {**CASES[case], "config": {**CASES[case]["config"], "kernels": "compiled"}}
               for case in COMPILED})
-# selection="groups": one pick per group of each row instead of its top-k (ramp, partitioned lazy scores, int4)
-GROUPS = ["linear99_ramp", "lazy80_delay0_refresh2_sharded", "int4", "linear90_compiled"]
-CASES.update({f"{case}_groups": {**CASES[case], "config": {**CASES[case]["config"], "selection": "groups"}}
-              for case in GROUPS})
+# selection="topk" (the default is "groups"): each row's exact top-k (ramp, partitioned lazy scores, int4)
+TOPK = ["linear99_ramp", "lazy80_delay0_refresh2_sharded", "int4", "linear90_compiled"]
+CASES.update({f"{case}_topk": {**CASES[case], "config": {**CASES[case]["config"], "selection": "topk"}}
+              for case in TOPK})
 SHARDED = ["linear99_ramp_sharded", "lazy80_delay0_refresh2_sharded"]
 # -m slow: each compiles its passes afresh (15-20 s in a fresh clone)
-SLOW = {"skips_compiled", "bf16_compiled", "linear90_compiled_groups"}
+SLOW = {"skips_compiled", "bf16_compiled", "linear90_compiled_topk"}
 
 
 def lr_at(step: int) -> float:
@@ -170,7 +170,7 @@ def close(got: torch.Tensor, want: torch.Tensor, what: str, rtol: float = 1e-5, 
 
 @pytest.mark.parametrize("case", ["linear90", "linear99_ramp", "lazy80_delay0_refresh2", "dense", *SHARDED,
                                   "linear90_compiled", "dense_compiled", "linear99_ramp_sharded_compiled",
-                                  *[_maybe_slow(f"{c}_groups") for c in GROUPS if c != "int4"]])
+                                  *[_maybe_slow(f"{c}_topk") for c in TOPK if c != "int4"]])
 def test_every_step_follows_the_contract(runs, case):
     cfg = ScapeConfig(**CASES[case]["config"])
     checked = {"dense": 0, "sparse": 0}
@@ -197,9 +197,9 @@ def test_every_step_follows_the_contract(runs, case):
 
 
 @pytest.mark.parametrize("case", ["linear90", "linear99_ramp", "lazy80_delay0_refresh2", *SHARDED,
-                                  "linear90_compiled", *[_maybe_slow(f"{c}_groups") for c in GROUPS]])
-def test_masks_are_the_top_k_of_the_contract_score(runs, case):
-    """Top-k: the ``k`` best of each row's score; ``selection="groups"``: the best of each group."""
+                                  "linear90_compiled", *[_maybe_slow(f"{c}_topk") for c in TOPK]])
+def test_masks_are_the_picks_of_the_contract_score(runs, case):
+    """``selection="groups"``: the best of each group of a row's score; ``"topk"``: the row's ``k`` best."""
     cfg = ScapeConfig(**CASES[case]["config"])
     steps = steps_of(runs, case)
     checked = 0
