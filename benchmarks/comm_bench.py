@@ -515,8 +515,9 @@ def add_run_args(p: argparse.ArgumentParser, methods: Sequence[str] = DEFAULT_ME
     p.add_argument("--warm", type=int, default=3, help="untimed steps per method first")
     p.add_argument("--scape-warmup", type=int, default=2, help="SCAPE's dense warm-up (< --warm)")
     p.add_argument("--methods", default=",".join(methods),
-                   help="comma-separated method names, or 'all' for every one of METHODS (the compiled ones "
-                        "compile for minutes: give a --timeout of 2400 or more)")
+                   help=f"comma-separated method names (default: {', '.join(methods)}), or 'all' for these "
+                        f"{len(METHODS)}: {', '.join(METHODS)} (the compiled ones compile for minutes first: give "
+                        "--timeout 2400 or more)".replace("%", "%%"))
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
