@@ -3,7 +3,9 @@
 The model is nanoGPT's shape (pre-norm blocks, tied embeddings) at character level, so a
 25M-parameter model is 8 layers of width 512 and its cost is the transformer, not the vocabulary.
 Workers are plain processes started with torchrun's environment variables (``MASTER_ADDR`` is
-always 127.0.0.1), optionally under ``ip netns exec``, each bounded by a timeout.
+always 127.0.0.1), optionally under ``ip netns exec``, each bounded by a timeout; while they run,
+the launcher prints what rank 0 is doing every :data:`PROGRESS_EVERY` seconds. Results go under
+:data:`RESULTS` (untracked) unless a script is given a path.
 """
 
 from __future__ import annotations
@@ -25,6 +27,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 LOOPBACK = "127.0.0.1"  # the only address any benchmark process talks to
+RESULTS = Path(__file__).resolve().parent.parent / "runs"  # default outputs: .gitignore'd, never docs/
+PROGRESS_EVERY = 20.0  # seconds between a running launch's progress lines
 
 
 # ----- model --------------------------------------------------------------------------
@@ -112,10 +116,13 @@ def free_port() -> int:
 
 
 def launch(argv: list[str], world_size: int, timeout: float, prefix: list[str] | None = None,
-           port: int | None = None) -> None:
+           port: int | None = None, status: Path | None = None, label: str = "the ranks") -> None:
     """Run ``python argv`` as ``world_size`` ranks (under ``prefix``, e.g. ``ip netns exec NS``).
 
-    Raises if a rank fails or the group exceeds ``timeout`` seconds (every rank is then killed).
+    Every :data:`PROGRESS_EVERY` seconds it prints ``label``, the time against ``timeout`` and
+    what rank 0 last wrote to ``status`` (:func:`report_status`). Raises ``RuntimeError`` when a
+    rank fails and ``TimeoutError`` (one line: the limit and rank 0's status) when the group
+    outlives ``timeout`` seconds; every rank still running is then killed.
     """
     port = port or free_port()
     procs = []
@@ -124,16 +131,71 @@ def launch(argv: list[str], world_size: int, timeout: float, prefix: list[str] |
                    WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
                    GLOO_SOCKET_IFNAME="lo")
         procs.append(subprocess.Popen((prefix or []) + [sys.executable] + argv, env=env))
+    progress = Progress(label, timeout, lambda: read_status(status))
     try:
-        for rank, p in enumerate(procs):
-            rc = p.wait(timeout=timeout)
-            if rc:
-                raise RuntimeError(f"rank {rank} exited with code {rc} (command: {' '.join(argv)})")
+        while True:
+            codes = [p.poll() for p in procs]
+            failed = [(rank, rc) for rank, rc in enumerate(codes) if rc]
+            if failed:  # the others may wait on it in a collective: stop now, not at the timeout
+                rank, rc = failed[0]
+                raise RuntimeError(f"{label}: rank {rank} exited with code {rc} (command: {' '.join(argv)})")
+            if all(rc == 0 for rc in codes):
+                return
+            if progress.elapsed() > timeout:
+                raise TimeoutError(f"{label} did not finish within the {timeout:g} s limit; rank 0 was at: "
+                                   f"{read_status(status)}")
+            progress.tick()
+            time.sleep(0.2)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.wait()
+
+
+class Progress:
+    """Prints ``[  40 s of 540 s] label: what()`` each time :meth:`tick` finds :data:`PROGRESS_EVERY`
+    seconds passed since the last line (flushed: the line shows when stdout is a file too).
+
+    Example::
+
+        progress = Progress("slow link", 540, lambda: "round 2 of 6")
+        while running():
+            progress.tick()
+            time.sleep(0.2)
+    """
+
+    def __init__(self, label: str, limit: float, what: Callable[[], str], every: float | None = None) -> None:
+        self.label, self.limit, self.what, self.every = label, limit, what, every or PROGRESS_EVERY
+        self.start = time.monotonic()
+        self.due = self.start + self.every
+
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start
+
+    def tick(self) -> None:
+        if time.monotonic() >= self.due:
+            self.due = time.monotonic() + self.every
+            print(f"  [{self.elapsed():4.0f} s of {self.limit:g} s] {self.label}: {self.what()}", flush=True)
+
+
+def report_status(path: str | os.PathLike | None, text: str) -> None:
+    """Tell the launcher what this rank is doing now (rank 0 calls it; ``None``: no launcher listens)."""
+    if path is None:
+        return
+    tmp = Path(f"{path}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)  # atomic: the launcher never reads half a line
+
+
+def read_status(path: Path | None) -> str:
+    """The last text :func:`report_status` wrote to ``path``, or that the ranks are still starting."""
+    if path is None:
+        return "running"
+    try:
+        return Path(path).read_text().strip() or "starting"
+    except OSError:  # not written yet
+        return "starting (loading torch, the data and the model)"
 
 
 def start_rank(params: float, context: int, layers: int) -> tuple[int, int, Tensor, "GPT"]:

@@ -1,23 +1,31 @@
 """What goes over the wire per optimizer step, and what it costs on a fast and a slow link.
 
 Methods, all on the same GPT, initial weights and per-rank batches, interleaved in one run so
-their ratios share the machine's noise:
+their ratios share the machine's noise (the default runs the five of README's table, marked *;
+``--methods all`` runs every one, the compiled ones compiling for minutes first):
 
-    no-comm + AdamS     the same per-rank step with no collective at all (the bound)
-    DDP + AdamW         dense all-reduce (torch's allreduce_hook, counted)
+    no-comm + AdamS *   the same per-rank step with no collective at all (the bound)
+    DDP + AdamW *       dense all-reduce (torch's allreduce_hook, counted)
     DDP + AdamS         the same, with SCAPE's base optimizer
     PowerSGD r4 + AdamW torch's powerSGD_hook, rank 4, error feedback, warm start, one DDP
                         bucket (its chained collectives race across buckets on gloo)
-    SCAPE 90% / 99%     scape_hook + ScapeAdamS
+    SCAPE 90% / 99% *   scape_hook + ScapeAdamS (99%: the examples' default, int4 values)
+    SCAPE 99% native *  the same with fp32 values on the wire (``wire="native"``)
     SCAPE 99% sharded   the same with shard_optimizer=True (each rank keeps 1/W of the optimizer
                         state; owners' updates and masks are all-gathered)
+    ... compiled        ``kernels="compiled"`` (SCAPE) / ``AdamS(kernels="compiled")`` (the bound)
 
 Per step: median wall time (slowest rank) and, because the machine may be shared, the
 median of per-round ratios against the bound and against dense DDP (the i-th timed step of
 every method ran in the same round); the main thread's CPU seconds (insensitive to load);
-values and bytes this rank hands to collectives (every torch.distributed collective is
-wrapped and counted; SCAPE's own ``state.stats()`` is kept beside it as a check); and bytes
-that crossed the loopback interface (both ranks together, ``/sys/class/net/lo/statistics``).
+bytes per step, counted one way for every method: what one rank hands to collectives, as
+``ScapeState.stats()`` counts it (an all-reduce by its input; an encoded wire's all-to-all and
+all-gather as the one all-reduce of the encoded buffer, whose traffic they equal) -- SCAPE's
+counters for SCAPE, for the others a wrapper around every torch.distributed collective (it also
+checks SCAPE's: equal on the native wire, ``(W + 1) / W`` of it on an encoded one, which hands
+the whole buffer to the all-to-all and a segment to the all-gather: ``handed_bytes``); and the
+bytes that crossed the loopback interface (both ranks together, ``/sys/class/net/lo/statistics``),
+which measure the same share.
 
 Links: ``loopback`` (unshaped) and ``slow`` (``tc tbf`` at ``--gbit`` per rank per direction).
 Both run inside a network namespace created here (root only), so the interface counters see
@@ -25,8 +33,15 @@ only this benchmark; every process talks to 127.0.0.1 only, and the namespace is
 the end. Without root (or ``ip``/``tc``), only the unshaped link runs, on the host's loopback,
 and the interface column is marked as shared with whatever else uses it.
 
-    sudo python benchmarks/comm_bench.py                      # ~25M GPT, per-rank batch 1 and 4
+    sudo python benchmarks/comm_bench.py --links slow --batches 1 --rounds 6   # README's table (minutes)
+    sudo python benchmarks/comm_bench.py                      # ~25M GPT, both links, per-rank batch 1 and 4
+    sudo python benchmarks/comm_bench.py --methods all --timeout 2400   # every method, compiled ones too
     python benchmarks/comm_bench.py --params 5e6 --steps 2 --rounds 1   # smoke test
+
+While it runs it prints what rank 0 is doing every 20 s. A link that outlives ``--timeout`` ends
+the run with one line naming the method and the limit; the rounds every method finished by then
+are reported. Results go to ``runs/comm_bench.json`` and ``.png`` (untracked) unless ``--json`` /
+``--plot`` say otherwise.
 """
 
 from __future__ import annotations
@@ -54,6 +69,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 from torch import nn
 
 from benchmarks.bench_common import (
+    RESULTS,
     batches,
     core_version,
     count_params,
@@ -61,6 +77,7 @@ from benchmarks.bench_common import (
     launch,
     machine,
     median,
+    report_status,
     scape_fields,
     start_rank,
 )
@@ -70,8 +87,12 @@ METHODS = ("no-comm + AdamS", "DDP + AdamW", "DDP + AdamS", "PowerSGD r4 + AdamW
            "SCAPE 99% native", "SCAPE 99% sharded",
            "no-comm + AdamS compiled", "SCAPE 90% compiled", "SCAPE 99% compiled")
 GROUPS = ("SCAPE 90% groups", "SCAPE 99% groups", "SCAPE 99% native groups")  # --methods only: selection="groups"
+DEFAULT_METHODS = ("no-comm + AdamS", "DDP + AdamW", "SCAPE 90%", "SCAPE 99%", "SCAPE 99% native")  # README's table
 COMPILED = " compiled"  # a method name's suffix: ScapeConfig(kernels="compiled") / AdamS(kernels="compiled")
 DENSE = "DDP + AdamW"
+BYTES = ("per optimizer step, what one rank hands to collectives as ScapeState.stats() counts it (an encoded wire's "
+         "all-to-all + all-gather as the one all-reduce of the encoded buffer whose traffic they equal); the lo "
+         "column is what crossed the interface")
 BOUND = "no-comm + AdamS"
 
 
@@ -202,6 +223,8 @@ def window(m: Method, batch: int, steps: int, ifaces: dict[str, str], barrier_by
 
 def worker(args: argparse.Namespace) -> None:
     rank, world, data, base = start_rank(args.params, args.context, args.layers)
+    status = args.status if rank == 0 else None
+    report_status(status, f"building {len(args.methods)} methods")
     methods = [build(name, base, args.scape_warmup) for name in args.methods]
     for m in methods:
         m.data = {b: batches(data, b, args.context, seed=1000 * rank + b) for b in args.batches}
@@ -219,32 +242,42 @@ def worker(args: argparse.Namespace) -> None:
         empty.append({k: t1[k] - t0[k] for k in ifaces})
     barrier_bytes = {k: min(e[k] for e in empty) for k in ifaces}
 
-    for m in methods:  # untimed: DDP's bucket rebuild, PowerSGD's and SCAPE's dense warm-up
+    for i, m in enumerate(methods):  # untimed: DDP's bucket rebuild, PowerSGD's and SCAPE's dense warm-up
+        compiling = ", compiling its kernels" if m.name.endswith(COMPILED) else ""
+        report_status(status, f"warm-up of {m.name} ({i + 1} of {len(methods)}: {args.warm} untimed steps{compiling})")
         for _ in range(args.warm):
             m.step(*next(m.data[args.batches[0]]))
     for batch in args.batches:
         for r in range(args.rounds):
             order = methods[r % len(methods):] + methods[:r % len(methods)]  # rotate: no fixed slot
             for m in order:
+                report_status(status, f"per-rank batch {batch}, round {r + 1} of {args.rounds}: {m.name}")
                 window(m, batch, args.steps, ifaces, barrier_bytes)
+            out = gather(methods, rank, world, ifaces)  # after every round: what a stopped run keeps
+            if rank == 0:
+                out.update(params=count_params(base), context=args.context, barrier_bytes=barrier_bytes)
+                Path(args.result).write_text(json.dumps(out))
+    dist.destroy_process_group()
+
+
+def gather(methods: list[Method], rank: int, world: int, ifaces: dict[str, str]) -> dict[str, Any]:
+    """Every rank's timings so far, combined on rank 0 (per step: the slowest rank; CPU: the median);
+    the interface counters summed over nodes. Every rank calls it; the others get ``{}``."""
     # each node's local rank 0 read its own namespace's interfaces; the other ranks' reads repeat them
     leader = int(os.environ.get("LOCAL_RANK", rank)) == 0
     gathered: list[Any] = [None] * world
     dist.all_gather_object(gathered, {m.name: (dict(m.times), dict(m.cpu), dict(m.windows) if leader else None)
                                       for m in methods})
-    if rank == 0:
-        nodes = sum(1 for g in gathered if g[methods[0].name][2] is not None) if methods else 1
-        out = {"params": count_params(base), "world_size": world, "nodes": nodes, "context": args.context,
-               "barrier_bytes": barrier_bytes, "methods": {}}
-        for m in methods:
-            per_step = {b: [max(g[m.name][0][b][i] for g in gathered) for i in range(len(m.times[b]))]
-                        for b in args.batches}
-            cpu = {b: [median([g[m.name][1][b][i] for g in gathered]) for i in range(len(m.cpu[b]))]
-                   for b in args.batches}
-            windows = node_sums([g[m.name][2] for g in gathered if g[m.name][2] is not None], list(ifaces))
-            out["methods"][m.name] = {"times": per_step, "cpu": cpu, "windows": windows, "final_loss": m.loss}
-        Path(args.result).write_text(json.dumps(out))
-    dist.destroy_process_group()
+    if rank != 0:
+        return {}
+    nodes = sum(1 for g in gathered if g[methods[0].name][2] is not None) if methods else 1
+    out: dict[str, Any] = {"world_size": world, "nodes": nodes, "methods": {}}
+    for m in methods:
+        per_step = {b: [max(g[m.name][0][b][i] for g in gathered) for i in range(len(ts))] for b, ts in m.times.items()}
+        cpu = {b: [median([g[m.name][1][b][i] for g in gathered]) for i in range(len(cs))] for b, cs in m.cpu.items()}
+        windows = node_sums([g[m.name][2] for g in gathered if g[m.name][2] is not None], list(ifaces))
+        out["methods"][m.name] = {"times": per_step, "cpu": cpu, "windows": windows, "final_loss": m.loss}
+    return out
 
 
 def node_sums(per_node: list[dict[int, list[dict[str, int]]]], keys: list[str]) -> dict[int, list[dict[str, int]]]:
@@ -335,16 +368,22 @@ def summarize(raw: dict[str, Any], batches_: list[int]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for link, res in raw.items():
         for b in batches_:
+            methods = {name: m for name, m in res.get("methods", {}).items() if m["windows"].get(str(b))}
+            if not methods:  # a stopped run: no round of this batch finished
+                continue
             rows = {}
-            times = {name: m["times"][str(b)] for name, m in res["methods"].items()}
-            for name, m in res["methods"].items():
+            for name, m in methods.items():
                 ws = m["windows"][str(b)]
                 steps = sum(w["steps"] for w in ws)
-                row = {"time_s": median(times[name]), "times": times[name], "cpu_s": median(m["cpu"][str(b)])}
+                times = m["times"][str(b)]
+                row = {"time_s": median(times), "times": times, "cpu_s": median(m["cpu"][str(b)])}
                 for k in ("values", "bytes", "lo_bytes", "link_bytes", "scape_values_sent", "scape_bytes_sent",
                           "scape_mask_bytes"):
                     if k in ws[0]:
                         row[k] = sum(w[k] for w in ws) / steps
+                row["handed_bytes"] = row["bytes"]  # the wrapper's raw count, kept as a check
+                if "scape_bytes_sent" in row:  # one way for every method: as ScapeState.stats() counts
+                    row["bytes"], row["values"] = row["scape_bytes_sent"], row["scape_values_sent"]
                 rows[name] = row
             out[f"{link}/{b}"] = rows
     return out
@@ -375,7 +414,7 @@ def tables(summary: dict[str, Any], links: dict[str, str], default_batch: int, c
         default = " (default)" if int(b) == default_batch else ""
         lines += [f"\n**{links[link]}, per-rank batch {b} x {context} tokens{default}**\n",
                   "| method | step (s, median) | / no-comm (paired) | DDP+AdamW / this (paired) | CPU s / step | "
-                  "values handed / step | bytes handed / step | % of dense | "
+                  "values sent / step | bytes sent / step (one rank) | % of dense | "
                   f"bytes on lo / step ({'host lo, SHARED' if shared_lo else 'both ranks'}) |",
                   "|---|---|---|---|---|---|---|---|---|"]
         for name, r in rows.items():
@@ -396,7 +435,7 @@ def targets(summary: dict[str, Any], slow: str | None, default_batch: int) -> li
         if key.startswith("loopback/") and "SCAPE 99%" in rows and DENSE in rows:
             pct = 100 * rows["SCAPE 99%"]["bytes"] / rows[DENSE]["bytes"]
             lo = 100 * rows["SCAPE 99%"]["lo_bytes"] / max(rows[DENSE]["lo_bytes"], 1)
-            lines.append(f"- bytes/step at 99% <= 2.5% of dense ({key}): handed {pct:.2f}%, on lo {lo:.2f}% "
+            lines.append(f"- bytes/step at 99% <= 2.5% of dense ({key}): sent {pct:.2f}%, on lo {lo:.2f}% "
                          f"-> {'MET' if pct <= 2.5 else 'NOT MET'}")
             break
     for key, rows in summary.items():
@@ -449,7 +488,7 @@ def plot(summary: dict[str, Any], links: dict[str, str], context: int, path: Pat
     handed = [summary[first][n].get("bytes", 0) for n in names]
     wire = [max(summary[first][n].get("lo_bytes", 0), 0) for n in names]
     xs = range(len(names))
-    ax2.bar([x - 0.2 for x in xs], handed, 0.4, label="handed to collectives (one rank)")
+    ax2.bar([x - 0.2 for x in xs], handed, 0.4, label="sent, as ScapeState.stats() counts (one rank)")
     ax2.bar([x + 0.2 for x in xs], wire, 0.4, label="on the loopback interface (both ranks)")
     ax2.set_yscale("log")
     ax2.set_ylim(bottom=1e5)
@@ -464,7 +503,7 @@ def plot(summary: dict[str, Any], links: dict[str, str], context: int, path: Pat
 
 
 # ----- driver -------------------------------------------------------------------------------
-def add_run_args(p: argparse.ArgumentParser, methods: Sequence[str] = METHODS, batches: str = "1,4") -> None:
+def add_run_args(p: argparse.ArgumentParser, methods: Sequence[str] = DEFAULT_METHODS, batches: str = "1,4") -> None:
     """The options of one timed run (model, batches, schedule, methods); multinode.py takes them too."""
     p.add_argument("--params", type=float, default=25e6, help="model size target (parameters)")
     p.add_argument("--layers", type=int, default=8)
@@ -475,7 +514,10 @@ def add_run_args(p: argparse.ArgumentParser, methods: Sequence[str] = METHODS, b
     p.add_argument("--rounds", type=int, default=4, help="interleaved windows per method per batch")
     p.add_argument("--warm", type=int, default=3, help="untimed steps per method first")
     p.add_argument("--scape-warmup", type=int, default=2, help="SCAPE's dense warm-up (< --warm)")
-    p.add_argument("--methods", default=",".join(methods))
+    p.add_argument("--methods", default=",".join(methods),
+                   help=f"comma-separated method names (default: {', '.join(methods)}), or 'all' for these "
+                        f"{len(METHODS)}: {', '.join(METHODS)} (the compiled ones compile for minutes first: give "
+                        "--timeout 2400 or more)".replace("%", "%%"))
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -484,10 +526,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--gbit", type=float, default=1.0, help="slow link: Gbit/s per rank per direction")
     p.add_argument("--links", default="loopback,slow")
     p.add_argument("--timeout", type=float, default=540, help="seconds per link before every rank is killed")
-    p.add_argument("--json", default=str(ROOT / "docs" / "comm_bench.json"))
-    p.add_argument("--plot", default=str(ROOT / "docs" / "comm_bench.png"))
+    p.add_argument("--json", default=str(RESULTS / "comm_bench.json"), help="the report (default: untracked runs/)")
+    p.add_argument("--plot", default=str(RESULTS / "comm_bench.png"))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
+    p.add_argument("--status", help=argparse.SUPPRESS)  # worker: where rank 0 says what it is doing
     p.add_argument("--link", default="", help=argparse.SUPPRESS)  # worker: the inter-node interface to count
     return check_run_args(p, p.parse_args(argv))
 
@@ -495,6 +538,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def check_run_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
     """Parse the lists of :func:`add_run_args` and refuse inconsistent values (``p.error``)."""
     args.batches = [int(b) for b in str(args.batches).split(",")]
+    if args.methods == "all":
+        args.methods = list(METHODS)
     args.methods = [m.strip() for m in args.methods.split(",")] if isinstance(args.methods, str) else args.methods
     unknown = set(args.methods) - set(METHODS) - set(GROUPS)
     if unknown:
@@ -507,23 +552,51 @@ def check_run_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> argp
 
 
 def worker_argv(args: argparse.Namespace) -> list[str]:
-    """One rank's command line (after ``python``) for the run ``args`` describes; ``--result`` is added later."""
+    """One rank's command line (after ``python``) for the run ``args`` describes; ``--result`` and
+    ``--status`` are added by :func:`measure`."""
     return [str(Path(__file__).resolve()), "--worker", "--params", str(args.params), "--layers", str(args.layers),
             "--context", str(args.context), "--batches", ",".join(map(str, args.batches)),
             "--default-batch", str(args.default_batch), "--steps", str(args.steps), "--rounds", str(args.rounds),
             "--warm", str(args.warm), "--scape-warmup", str(args.scape_warmup), "--methods", ",".join(args.methods)]
 
 
-def measure(run: Callable[[list[str]], None], argv: list[str]) -> dict[str, Any]:
-    """``run(argv + ["--result", FILE])`` (it starts the ranks); rank 0's result and the load average around it."""
+class Stopped(RuntimeError):
+    """A run that failed or outlived its limit (``timed_out``); ``partial``: rank 0's result of the rounds
+    every method finished."""
+
+    def __init__(self, reason: str, partial: dict[str, Any], timed_out: bool) -> None:
+        super().__init__(reason)
+        self.partial, self.timed_out = partial, timed_out
+
+
+def measure(run: Callable[[list[str], Path], None], argv: list[str]) -> dict[str, Any]:
+    """``run(argv + ["--result", FILE, "--status", STATUS], STATUS)`` (it starts the ranks; rank 0 writes
+    what it is doing to STATUS); rank 0's result and the load average around it.
+
+    Raises :class:`Stopped` (with the rounds every method finished) if ``run`` raises ``RuntimeError``
+    or ``TimeoutError``.
+    """
     with tempfile.TemporaryDirectory() as tmp:
-        result = Path(tmp) / "result.json"
+        result, status = Path(tmp) / "result.json", Path(tmp) / "status.txt"
         load = os.getloadavg()[0]
-        run(argv + ["--result", str(result)])
+        try:
+            run(argv + ["--result", str(result), "--status", str(status)], status)
+        except (RuntimeError, TimeoutError) as e:
+            partial = json.loads(result.read_text()) if result.exists() else {}
+            raise Stopped(str(e), partial, timed_out=isinstance(e, TimeoutError)) from None
         raw = json.loads(result.read_text())
     raw["loadavg"] = [round(load, 2), round(os.getloadavg()[0], 2)]  # machine noise
     print(f"  load average (1 min) before/after: {raw['loadavg']}", flush=True)
     return raw
+
+
+def rounds_done(raw: dict[str, Any]) -> str:
+    """What a stopped link's partial result holds, for the line that ends the run."""
+    method = next(iter(raw.get("methods", {}).values()), None)
+    if method is None:
+        return "no method finished a timed round"
+    return "the tables above keep " + ", ".join(f"the {len(ws)} round(s) every method finished at per-rank batch {b}"
+                                                for b, ws in method["windows"].items())
 
 
 def main() -> None:
@@ -542,6 +615,7 @@ def main() -> None:
         links = [link for link in links if link != "slow"]
     ns = Namespace(f"scape-bench-{os.getpid()}")
     raw: dict[str, Any] = {}
+    stopped = None
     t_start = time.time()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that `finally` removes the namespace
     try:
@@ -550,26 +624,55 @@ def main() -> None:
         for link in links:
             if not why:
                 ns.shape(rate_mbit if link == "slow" else None)
-            print(f"[{time.time() - t_start:5.0f}s] link {names[link]}: 2 ranks, {args.methods}", flush=True)
-            raw[link] = measure(lambda argv: launch(argv, world, args.timeout, prefix=None if why else ns.prefix()),
-                                worker_argv(args))
+            print(f"[{time.time() - t_start:5.0f}s] link {names[link]}: 2 ranks, {len(args.methods)} methods "
+                  f"({', '.join(args.methods)}), limit {args.timeout:g} s", flush=True)
+
+            def run(argv: list[str], status: Path) -> None:
+                launch(argv, world, args.timeout, prefix=None if why else ns.prefix(), status=status,
+                       label=f"{link} link")
+            try:
+                raw[link] = measure(run, worker_argv(args))
+            except Stopped as e:
+                hint = " (--timeout; --methods to run fewer)" if e.timed_out else ""
+                stopped = f"{e}{hint}; {rounds_done(e.partial)}"
+                if e.partial.get("methods"):
+                    raw[link] = e.partial
+                break
+    except KeyboardInterrupt:
+        stopped = "interrupted (Ctrl-C)"
     finally:
         ns.remove()
+    report_results(args, raw, names, shared_lo=bool(why), seconds=time.time() - t_start, stopped=stopped)
+    if stopped:
+        print(f"\ncomm_bench STOPPED: {stopped}", flush=True)
+        sys.exit(1)
+
+
+def report_results(args: argparse.Namespace, raw: dict[str, Any], names: dict[str, str], shared_lo: bool,
+                   seconds: float, stopped: str | None) -> None:
+    """Write the JSON (and the plot) of what ran, and print its tables and targets."""
     summary = summarize(raw, args.batches)
+    if not summary:
+        print("no method finished a timed round: nothing to report", flush=True)
+        return
     params = next(iter(raw.values()))["params"]
     report = {"command": " ".join(["python", "benchmarks/comm_bench.py"] + sys.argv[1:]), "machine": machine(),
-              "core": core_version(),
-              "params": params, "links": {link: names[link] for link in raw}, "namespace": None if why else "isolated",
+              "core": core_version(), "stopped": stopped,
+              "params": params, "links": {link: names[link] for link in raw},
+              "namespace": None if shared_lo else "isolated",
               "default_batch": args.default_batch, "context": args.context, "summary": summary, "raw": raw}
     Path(args.json).parent.mkdir(parents=True, exist_ok=True)
     Path(args.json).write_text(json.dumps(report, indent=1))
+    Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
     plot(summary, names, args.context, Path(args.plot))
-    print(f"\nGPT {params / 1e6:.1f}M parameters, 2 ranks (gloo, 1 thread each), {time.time() - t_start:.0f}s; "
-          f"machine {machine()}; {core_version()}")
-    print(tables(summary, names, args.default_batch, args.context, shared_lo=bool(why)))
+    partial = " (PARTIAL: the run stopped, see below)" if stopped else ""
+    print(f"\nGPT {params / 1e6:.1f}M parameters, 2 ranks (gloo, 1 thread each), {seconds:.0f}s; "
+          f"machine {machine()}; {core_version()}{partial}")
+    print(f"bytes: {BYTES}")
+    print(tables(summary, names, args.default_batch, args.context, shared_lo=shared_lo))
     print("\nTargets:")
     print("\n".join(targets(summary, "slow" if "slow" in raw else None, args.default_batch)))
-    print(f"\nwrote {args.json} and {args.plot}")
+    print(f"\nwrote {args.json} and {args.plot}", flush=True)
 
 
 if __name__ == "__main__":

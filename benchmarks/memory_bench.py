@@ -32,9 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 from torch import nn
 
-from benchmarks.bench_common import batches, core_version, count_params, end_rank, launch, machine, start_rank
+from benchmarks.bench_common import RESULTS, batches, core_version, count_params, end_rank, launch, machine, start_rank
 
-ROOT = Path(__file__).resolve().parent.parent
 METHODS = ("AdamW", "AdamS", "ZeRO + AdamW", "SCAPE 99%", "SCAPE 99% sharded")
 STEPS = 6  # SCAPE: 1 dense, the ramp's 3 stages (25%, 6.25%, 1.6%: a step each), 2 at 1% (counted for bytes)
 RAMP_STEPS = 3
@@ -205,7 +204,7 @@ def main() -> None:
     p.add_argument("--worlds", default="2,4")
     p.add_argument("--methods", default=",".join(METHODS))
     p.add_argument("--timeout", type=float, default=1800)
-    p.add_argument("--json", default=str(ROOT / "docs" / "memory_bench.json"))
+    p.add_argument("--json", default=str(RESULTS / "memory_bench.json"))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args()

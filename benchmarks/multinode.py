@@ -7,12 +7,15 @@ by a veth pair (``mn0`` in each, 10.231.0.1/24 and 10.231.0.2/24) whose link is 
 a node stays on the namespace's own loopback, traffic between nodes crosses the veth, and both
 are counted per node. Nothing but those two addresses is used; every launch is bounded by a
 timeout; the namespaces and anything still running in them are removed afterwards, also on
-failure or SIGTERM. Without root or ``ip``/``tc`` it says so and skips.
+failure or SIGTERM. Without root or ``ip``/``tc`` it says so and skips. While a launch runs it
+prints its time against the limit and the last line of node 0's output every 20 s.
 
     sudo python benchmarks/multinode.py bench --gbit 1        # comm_bench's methods on 2 x 2 ranks
     sudo python benchmarks/multinode.py rehearse --gbit 1     # the examples: torchrun, Lightning, Accelerate
     sudo python benchmarks/multinode.py faults                # a node killed mid-training; a link lost
     sudo python benchmarks/multinode.py fsdp --gbit 1         # FSDP2 in each node: stock HSDP vs SCAPE across
+
+Reports go to ``runs/multinode_*.json`` (untracked) unless ``--json`` names a path.
 
 On two real machines the launch is the same with their addresses and interface (see README,
 "Multi-node"). Both namespaces share one hostname, so torchrun's c10d rendezvous is told which
@@ -37,7 +40,7 @@ from typing import Callable, Sequence
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 from benchmarks import comm_bench, fsdp_bench  # noqa: E402
-from benchmarks.bench_common import core_version, launch, machine  # noqa: E402
+from benchmarks.bench_common import RESULTS, Progress, core_version, launch, machine, read_status  # noqa: E402
 from benchmarks.comm_bench import Namespace  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -210,13 +213,15 @@ class NodeRun:
 
 
 def run_on_nodes(nodes: TwoNodes, commands: Sequence[Sequence[str]], timeout: float, logs: Path,
-                 watch: Callable[[float], None] | None = None, env: dict[str, str] | None = None) -> list[NodeRun]:
+                 watch: Callable[[float], None] | None = None, env: dict[str, str] | None = None,
+                 label: str | None = None, status: Callable[[], str] | None = None) -> list[NodeRun]:
     """Run ``commands[i]`` on node i, all at once; every node's launcher must exit within ``timeout`` s.
 
     ``watch(elapsed)`` is called every 0.1 s while they run (to inject a fault); ``env`` adds to
-    each node's environment. On timeout (or any error) the launchers get SIGTERM, then every
-    process in both namespaces SIGKILL, and ``TimeoutError`` names the timeout and shows the end
-    of each node's log (``logs/node<i>.log``).
+    each node's environment. With a ``label``, a progress line every 20 s shows the time against
+    ``timeout`` and ``status()`` (default: the last line of node 0's log). On timeout (or any
+    error) the launchers get SIGTERM, then every process in both namespaces SIGKILL, and
+    ``TimeoutError`` names the timeout and shows the end of each node's log (``logs/node<i>.log``).
 
     Example::
 
@@ -229,6 +234,7 @@ def run_on_nodes(nodes: TwoNodes, commands: Sequence[Sequence[str]], timeout: fl
     procs = [subprocess.Popen(nodes.prefix(i) + list(cmd), env={**nodes.env(i), **(env or {})}, stdout=f,
                               stderr=subprocess.STDOUT) for i, (cmd, f) in enumerate(zip(commands, files))]
     ended: list[float | None] = [None] * len(procs)
+    progress = Progress(label, timeout, status or (lambda: last_line(logs / "node0.log"))) if label else None
     try:
         while any(e is None for e in ended):
             elapsed = time.monotonic() - start
@@ -240,6 +246,8 @@ def run_on_nodes(nodes: TwoNodes, commands: Sequence[Sequence[str]], timeout: fl
                                    + tails(logs, len(procs)))
             if watch is not None:
                 watch(elapsed)
+            if progress is not None:
+                progress.tick()
             time.sleep(0.1)
     finally:
         if any(p.poll() is None for p in procs):  # stopped early: no process of this run may outlive it
@@ -258,6 +266,18 @@ def run_on_nodes(nodes: TwoNodes, commands: Sequence[Sequence[str]], timeout: fl
             f.close()
     return [NodeRun(p.returncode, (logs / f"node{i}.log").read_text(errors="replace"), ended[i])
             for i, p in enumerate(procs)]
+
+
+def last_line(log: Path, chars: int = 120) -> str:
+    """The last non-empty line of ``log`` (progress bars' carriage returns count as line ends), shortened."""
+    try:
+        with open(log, "rb") as f:
+            f.seek(max(f.seek(0, os.SEEK_END) - 4096, 0))
+            tail = f.read().decode(errors="replace")
+    except OSError:
+        return "starting"
+    lines = [line.strip() for line in tail.replace("\r", "\n").splitlines() if line.strip()]
+    return (lines[-1][:chars] if lines else "starting (no output yet)")
 
 
 def tails(logs: Path, count: int, chars: int = 3000) -> str:
@@ -289,7 +309,7 @@ def elastic_job(nodes: TwoNodes, out: Path, *script_args: str, max_restarts: int
     out.mkdir(parents=True, exist_ok=True)
     script = [str(ELASTIC), str(out), *script_args]
     runs = run_on_nodes(nodes, [torchrun(nodes, n, script, max_restarts=max_restarts) for n in (0, 1)],
-                        timeout, out / "logs", watch=watch, env=FRESH_STORE)
+                        timeout, out / "logs", watch=watch, env=FRESH_STORE, label=f"elastic job {out.name}")
     return runs, [rank_result(out, r) for r in range(2 * RANKS_PER_NODE)]
 
 
@@ -400,7 +420,7 @@ def rehearse(nodes: TwoNodes, launcher: str, workdir: Path, flags: Sequence[str]
     out = workdir / launcher
     commands = example_commands(nodes, launcher, flags, out)
     before = nodes.counters()
-    runs = run_on_nodes(nodes, commands, timeout, out / "logs")
+    runs = run_on_nodes(nodes, commands, timeout, out / "logs", label=launcher)
     if any(r.returncode for r in runs):
         raise RuntimeError(f"{launcher}: the example failed (exit codes {[r.returncode for r in runs]}):\n"
                            + tails(out / "logs", 2))
@@ -417,9 +437,10 @@ def rehearse(nodes: TwoNodes, launcher: str, workdir: Path, flags: Sequence[str]
 BENCH_METHODS = ("no-comm + AdamS", "DDP + AdamW", "PowerSGD r4 + AdamW", "SCAPE 90%", "SCAPE 99%")
 
 
-def run_checked(nodes: TwoNodes, commands: Sequence[Sequence[str]], timeout: float, logs: Path) -> list[NodeRun]:
+def run_checked(nodes: TwoNodes, commands: Sequence[Sequence[str]], timeout: float, logs: Path,
+                label: str | None = None, status: Callable[[], str] | None = None) -> list[NodeRun]:
     """:func:`run_on_nodes`, raising if a node's launcher failed (with the end of each log)."""
-    runs = run_on_nodes(nodes, commands, timeout, logs)
+    runs = run_on_nodes(nodes, commands, timeout, logs, label=label, status=status)
     if any(r.returncode for r in runs):
         raise RuntimeError(f"exit codes {[r.returncode for r in runs]}:\n" + tails(logs, len(runs)))
     return runs
@@ -428,8 +449,11 @@ def run_checked(nodes: TwoNodes, commands: Sequence[Sequence[str]], timeout: flo
 def bench_two_nodes(nodes: TwoNodes, args: argparse.Namespace, logs: Path) -> dict:
     """comm_bench's worker on 2 x 2 ranks under torchrun; each node counts its own lo and veth."""
     argv = comm_bench.worker_argv(args) + ["--link", IFACE]
-    return comm_bench.measure(lambda a: run_checked(nodes, [torchrun(nodes, n, a) for n in (0, 1)], args.timeout, logs),
-                              argv)
+
+    def run(command: list[str], status: Path) -> None:
+        run_checked(nodes, [torchrun(nodes, n, command) for n in (0, 1)], args.timeout, logs, label="2 x 2 ranks",
+                    status=lambda: read_status(status))
+    return comm_bench.measure(run, argv)
 
 
 def bench_one_namespace(gbit: float, args: argparse.Namespace) -> dict:
@@ -438,7 +462,8 @@ def bench_one_namespace(gbit: float, args: argparse.Namespace) -> dict:
     try:
         ns.create()
         ns.shape(gbit * 1000 * 2 if gbit else None)  # both ranks' traffic crosses the one loopback queue
-        return comm_bench.measure(lambda a: launch(a, 2, args.timeout, prefix=ns.prefix()),
+        return comm_bench.measure(lambda a, status: launch(a, 2, args.timeout, prefix=ns.prefix(), status=status,
+                                                           label="2 ranks, one namespace"),
                                   comm_bench.worker_argv(args))
     finally:
         ns.remove()
@@ -448,8 +473,9 @@ def bench_table(rows: dict, reference: dict | None) -> str:
     """Markdown: step time, paired ratios, bytes per step (handed, across the veth, inside nodes), 2-rank ratio."""
     bound, dense = comm_bench.BOUND, comm_bench.DENSE
     fmt = comm_bench.fmt_bytes
-    head = ("| method | step (s, median) | / no-comm (paired) | dense DDP / this (paired) | bytes handed / step "
-            "(one rank) | across the veth / step (both ways) | % of dense DDP's | inside the nodes (lo) / step |")
+    head = ("| method | step (s, median) | / no-comm (paired) | dense DDP / this (paired) | bytes sent / step "
+            "(one rank, as ScapeState.stats() counts) | across the veth / step (both ways) | % of dense DDP's | "
+            "inside the nodes (lo) / step |")
     sep = "|---|---|---|---|---|---|---|---|"
     if reference:
         head += " 2 ranks, one namespace: step (s) | 2 x 2 / 2 ranks |"
@@ -518,7 +544,8 @@ def fsdp(args: argparse.Namespace) -> dict:
         print(f"2 x 2 ranks, FSDP2 in each node, link {nodes.describe()}: {args.methods}", flush=True)
         load = os.getloadavg()[0]
         before = nodes.counters()
-        runs = run_checked(nodes, [torchrun(nodes, n, argv) for n in (0, 1)], args.timeout, Path(tmp) / "logs")
+        runs = run_checked(nodes, [torchrun(nodes, n, argv) for n in (0, 1)], args.timeout, Path(tmp) / "logs",
+                           label="FSDP2, 2 x 2 ranks")
         after = nodes.counters()
         report.update(link=nodes.describe(), seconds=round(max(r.seconds for r in runs), 1),
                       commands=[shown(torchrun(nodes, n, ["benchmarks/fsdp_bench.py", "..."])) for n in (0, 1)],
@@ -542,23 +569,23 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     b.add_argument("--reference", choices=("run", "none"), default="run",
                    help="run: also time the 2-rank one-namespace run at the same rate (comm_bench's slow link)")
     b.add_argument("--timeout", type=float, default=600, help="seconds per run before every rank is killed")
-    b.add_argument("--json", default=str(ROOT / "docs" / "multinode_bench.json"))
+    b.add_argument("--json", default=str(RESULTS / "multinode_bench.json"))
     r = sub.add_parser("rehearse", help="the examples on 2 x 2 ranks: torchrun, Lightning, Accelerate")
     r.add_argument("--gbit", type=float, default=1.0, help="link rate, Gbit/s per direction (0: unshaped)")
     r.add_argument("--delay-ms", type=float, default=0.0, help="added latency per direction (needs netem)")
     r.add_argument("--launchers", default=",".join(EXAMPLES))
     r.add_argument("--timeout", type=float, default=600, help="seconds per launch")
-    r.add_argument("--json", default=str(ROOT / "docs" / "multinode_rehearsal.json"))
+    r.add_argument("--json", default=str(RESULTS / "multinode_rehearsal.json"))
     f = sub.add_parser("faults", help="a node killed mid-training (its ranks; all of it; its ranks with DDP's "
                                       "bucket rebuild); a link lost")
     f.add_argument("--timeout", type=float, default=10, help="the ranks' collective timeout for the link loss")
     f.add_argument("--outage", type=float, default=30, help="seconds the link stays down")
-    f.add_argument("--json", default=str(ROOT / "docs" / "multinode_faults.json"))
+    f.add_argument("--json", default=str(RESULTS / "multinode_faults.json"))
     d = sub.add_parser("fsdp", help="FSDP2 inside each node: stock 2-D HSDP + AdamS vs SCAPE across the veth")
     fsdp_bench.add_args(d)
     d.add_argument("--gbit", type=float, default=1.0, help="link rate, Gbit/s per direction (0: unshaped)")
     d.add_argument("--timeout", type=float, default=360, help="seconds before every rank is killed")
-    d.add_argument("--json", default=str(ROOT / "docs" / "multinode_fsdp.json"))
+    d.add_argument("--json", default=str(RESULTS / "multinode_fsdp.json"))
     args = p.parse_args(argv)
     if args.command == "fsdp":
         args.methods = [m.strip() for m in args.methods.split(",")]

@@ -42,6 +42,7 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 from benchmarks.bench_common import (
+    RESULTS,
     batches,
     core_version,
     count_params,
@@ -54,8 +55,6 @@ from benchmarks.bench_common import (
 )
 from scape_core.config import ScapeConfig
 from scape_core.masks import SELECTIONS
-
-ROOT = Path(__file__).resolve().parent.parent
 
 
 class Timer:
@@ -255,7 +254,7 @@ def main() -> None:
                    help="ScapeConfig.selection of the SCAPE methods, e.g. topk,groups")
     p.add_argument("--profile", action="store_true", help="also profile two SCAPE 99%% steps (torch.profiler)")
     p.add_argument("--timeout", type=float, default=420)
-    p.add_argument("--json", default=str(ROOT / "docs" / "overhead_bench.json"))
+    p.add_argument("--json", default=str(RESULTS / "overhead_bench.json"))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args()

@@ -87,9 +87,16 @@ from torch.utils._pytree import tree_leaves
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from benchmarks.bench_common import GPT, batches, core_version, count_params, machine, shakespeare  # noqa: E402
+from benchmarks.bench_common import (  # noqa: E402
+    GPT,
+    RESULTS,
+    batches,
+    core_version,
+    count_params,
+    machine,
+    shakespeare,
+)
 
-ROOT = Path(__file__).resolve().parent.parent
 METHODS = ("DDP + AdamW fused", "DDP + AdamS", "SCAPE 99% default", "SCAPE 99% native", "SCAPE 90%",
            "DDP + AdamS compiled", "SCAPE 99% default compiled", "SCAPE 99% native compiled", "SCAPE 90% compiled")
 SCAPE_WARM = 5  # steps before the counted one: 2 dense (warm-up), 3 sparse (masks selected by the state's own score)
@@ -543,7 +550,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--context", type=int, default=64)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--bucket-view", action="store_true", help="DDP(gradient_as_bucket_view=True) for every method")
-    p.add_argument("--out", default=str(ROOT / "docs" / "traffic_bench.json"))
+    p.add_argument("--out", default=str(RESULTS / "traffic_bench.json"))
     args = p.parse_args(argv)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
     unknown = set(methods) - set(METHODS)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import sys
 import time
 import warnings
 
@@ -101,6 +102,28 @@ class Recorder(pl.Callback):
             self.val[trainer.global_step] = (float(trainer.callback_metrics["val_loss"]), sent)
 
 
+class Progress(pl.Callback):
+    """Rank 0 prints where the run is every ``every`` seconds while stdout is not a terminal (a file, a
+    pipe): Lightning's progress bar draws nothing there until the run ends."""
+
+    def __init__(self, max_steps: int, every: float = 20.0) -> None:
+        self.max_steps, self.every = max_steps, every
+        self.start = time.monotonic()
+        self.due = self.start + every
+        self.enabled = not sys.stdout.isatty()
+
+    def say(self, trainer: pl.Trainer, text: str) -> None:
+        if self.enabled and trainer.is_global_zero and time.monotonic() >= self.due:
+            self.due = time.monotonic() + self.every
+            print(f"  [{time.monotonic() - self.start:4.0f} s] {text}", flush=True)
+
+    def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
+        self.say(trainer, f"step {trainer.global_step} of {self.max_steps}, train loss {float(outputs['loss']):.3f}")
+
+    def on_validation_batch_end(self, trainer, module, outputs, batch, batch_idx, dataloader_idx=0) -> None:
+        self.say(trainer, f"validating at step {trainer.global_step}: batch {batch_idx + 1}")
+
+
 def scape_stats(trainer: pl.Trainer) -> dict[str, float] | None:
     """``ScapeState.stats()`` of the strategy, or ``None`` when the run does not use SCAPE."""
     state = getattr(trainer.strategy, "scape_state", None)
@@ -145,7 +168,7 @@ def train(args: argparse.Namespace) -> dict:
                                                 ramp_steps=args.ramp_steps, wire=args.wire),
         max_steps=args.max_steps, max_epochs=math.ceil(args.max_steps / max(steps_per_epoch, 1)),
         val_check_interval=args.val_every, check_val_every_n_epoch=None,
-        limit_val_batches=args.val_batches, num_sanity_val_steps=0, callbacks=[recorder],
+        limit_val_batches=args.val_batches, num_sanity_val_steps=0, callbacks=[recorder, Progress(args.max_steps)],
         logger=pl.loggers.CSVLogger(args.out, name="logs"), log_every_n_steps=10, enable_checkpointing=False,
         precision="bf16-mixed" if on_gpu(args) and torch.cuda.is_bf16_supported() else "32-true",
     )

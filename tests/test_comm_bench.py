@@ -45,7 +45,7 @@ def test_targets_mark_met_and_not_met():
     rows = {"no-comm + AdamS": {"time_s": 1.0}, "DDP + AdamW": {"time_s": 4.0, "bytes": 1000, "lo_bytes": 2000},
             "PowerSGD r4 + AdamW": {"time_s": 1.5}, "SCAPE 99%": {"time_s": 1.2, "bytes": 30, "lo_bytes": 60}}
     lines = comm_bench.targets({"loopback/1": rows, "slow/1": rows}, "slow", 1)
-    assert "handed 3.00%" in lines[0] and "NOT MET" in lines[0]
+    assert "sent 3.00%" in lines[0] and "NOT MET" in lines[0]
     assert "(<= 1.25: MET)" in lines[1] and "(> 1: MET)" in lines[1] and "(>= 3: MET)" in lines[1]
 
 
@@ -74,18 +74,20 @@ def test_tiny_run_counts_dense_and_scape_bytes(tmp_path):
     out = tmp_path / "r.json"
     subprocess.run([sys.executable, str(BENCH / "comm_bench.py"), "--params", "3e5", "--layers", "1",
                     "--context", "32", "--batches", "1,2", "--steps", "1", "--rounds", "2", "--links", "loopback",
-                    "--json", str(out), "--plot", str(tmp_path / "p.png")], check=True, timeout=600)
+                    "--methods", "all", "--json", str(out), "--plot", str(tmp_path / "p.png")], check=True, timeout=600)
     report = json.loads(out.read_text())
     n, world = report["params"], next(iter(report["raw"].values()))["world_size"]
     for rows in report["summary"].values():
         assert rows["DDP + AdamW"]["bytes"] == 4 * n and rows["DDP + AdamW"]["values"] == n
         assert rows["no-comm + AdamS"]["bytes"] == 0
-        for name in ("SCAPE 90%", "SCAPE 99% sharded"):  # the wrapper's count agrees with SCAPE's own
+        for name in ("SCAPE 90%", "SCAPE 99%", "SCAPE 99% sharded"):  # bytes as ScapeState.stats() counts them
             assert rows[name]["bytes"] == rows[name]["scape_bytes_sent"]
             assert rows[name]["values"] == rows[name]["scape_values_sent"]
+        for name in ("SCAPE 90%", "SCAPE 99% sharded"):  # native wire: the wrapper's count agrees
+            assert rows[name]["handed_bytes"] == rows[name]["bytes"]
         # SCAPE 99% is on the int4 wire: SCAPE counts one all-reduce of the encoded buffer (what a ring moves);
         # the wrapper counts what is handed over: the whole buffer to the all-to-all, one segment to the all-gather
-        assert rows["SCAPE 99%"]["bytes"] == rows["SCAPE 99%"]["scape_bytes_sent"] * (world + 1) / world
+        assert rows["SCAPE 99%"]["handed_bytes"] == rows["SCAPE 99%"]["bytes"] * (world + 1) / world
         assert rows["SCAPE 99%"]["bytes"] < rows["SCAPE 90%"]["bytes"] < rows["DDP + AdamW"]["bytes"]
         # sharded: the same all-reduce, plus the owners' updates and masks (all-gathered)
         assert rows["SCAPE 99%"]["bytes"] < rows["SCAPE 99% sharded"]["bytes"] < 2 * rows["SCAPE 99%"]["bytes"]
@@ -103,3 +105,37 @@ def test_overhead_components_subtract_nested_timers_once():
     assert c["score"] == pytest.approx(0.2 - 0.1 - 0.002)
     assert c["selection"] == pytest.approx(0.24) and c["end_step_other"] == pytest.approx(0.01)
     assert c["overhead"] == pytest.approx(0.055 + 0.24)
+
+
+def test_defaults_are_the_short_set_and_write_outside_docs():
+    args = comm_bench.parse([])
+    assert args.methods == list(comm_bench.DEFAULT_METHODS) and len(args.methods) == 5
+    assert comm_bench.parse(["--methods", "all"]).methods == list(comm_bench.METHODS)
+    root = BENCH.parent
+    for path in (args.json, args.plot):  # untracked (.gitignore's /runs/), never the tracked docs/
+        assert Path(path).parent == root / "runs"
+    assert "/runs/" in (root / ".gitignore").read_text().split()
+
+
+def test_launch_prints_progress_and_times_out_in_one_line(tmp_path, monkeypatch, capsys):
+    from benchmarks import bench_common
+
+    monkeypatch.setattr(bench_common, "PROGRESS_EVERY", 0.3)
+    status = tmp_path / "status.txt"
+    bench_common.report_status(status, "per-rank batch 1, round 2 of 6: SCAPE 99%")
+    with pytest.raises(TimeoutError) as e:
+        bench_common.launch(["-c", "import time; time.sleep(60)"], 1, timeout=1.5, status=status, label="slow link")
+    assert str(e.value) == "slow link did not finish within the 1.5 s limit; rank 0 was at: per-rank batch 1, " \
+                           "round 2 of 6: SCAPE 99%"
+    assert "s of 1.5 s] slow link: per-rank batch 1, round 2 of 6: SCAPE 99%" in capsys.readouterr().out
+
+
+def test_a_stopped_run_reports_the_rounds_every_method_finished():
+    window = {"steps": 1, "calls": 1, "values": 10, "bytes": 40, "lo_bytes": 80}
+    finished = {"times": {"1": [1.0, 1.2]}, "cpu": {"1": [0.5, 0.5]}, "windows": {"1": [window, window]}}
+    raw = {"slow": {"methods": {"no-comm + AdamS": finished, "DDP + AdamW": finished}}}
+    summary = comm_bench.summarize(raw, [1, 4])  # batch 4 never started: left out, not an error
+    assert list(summary) == ["slow/1"] and summary["slow/1"]["DDP + AdamW"]["bytes"] == 40
+    assert comm_bench.rounds_done(raw["slow"]) == \
+        "the tables above keep the 2 round(s) every method finished at per-rank batch 1"
+    assert comm_bench.rounds_done({}) == "no method finished a timed round"

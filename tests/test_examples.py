@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import os
@@ -188,6 +189,21 @@ def test_planned_runs_put_the_dense_baseline_first():
     assert (dense.sparsity, dense.out, dense.seed) == (0.0, str(Path("runs/x") / "dense"), 0) and scape is args
     assert common.planned_runs(argparse.Namespace(baseline=False, sparsity=0.99, out="r")) == [
         argparse.Namespace(baseline=False, sparsity=0.99, out="r")]
+
+
+def test_gpt_finetune_progress_prints_on_rank_0_when_due(capsys):
+    import gpt_finetune
+
+    trainer = argparse.Namespace(is_global_zero=True, global_step=7)
+    progress = gpt_finetune.Progress(max_steps=300, every=3600)
+    progress.enabled = True  # as when stdout is a file
+    progress.on_train_batch_end(trainer, None, {"loss": torch.tensor(6.5)}, None, 0)
+    assert capsys.readouterr().out == ""  # not due yet
+    progress.due = 0
+    progress.on_train_batch_end(argparse.Namespace(is_global_zero=False, global_step=7), None, {"loss": 1.0}, None, 0)
+    assert capsys.readouterr().out == ""  # rank 0 only
+    progress.on_train_batch_end(trainer, None, {"loss": torch.tensor(6.5)}, None, 0)
+    assert "s] step 7 of 300, train loss 6.500" in capsys.readouterr().out
 
 
 # ----- the examples, end to end --------------------------------------------------------------------

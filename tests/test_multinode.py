@@ -46,6 +46,15 @@ def test_nodes_are_shaped_and_removed():
     assert not any(name in listed for name in names)
 
 
+def test_reports_default_outside_docs_and_progress_shows_the_last_line(tmp_path):
+    for command in ("bench", "rehearse", "faults", "fsdp"):  # untracked runs/, never the tracked docs/
+        assert multinode.parse([command]).json.startswith(str(multinode.ROOT / "runs") + "/")
+    log = tmp_path / "node0.log"
+    log.write_text("Epoch 0 \r  3/40 \r 12/40 [00:08]\r\n\n")  # a progress bar's carriage returns
+    assert multinode.last_line(log) == "12/40 [00:08]"
+    assert multinode.last_line(tmp_path / "missing.log") == "starting"
+
+
 def test_torchrun_two_nodes_keeps_replicas_identical(nodes, tmp_path):
     """2 x 2 ranks, c10d rendezvous across the veth: every rank ends with the same parameters and m."""
     before = nodes.counters()
