@@ -33,7 +33,14 @@ CASES = {  # every sparse case runs at its named density (ramp_steps=0) unless i
     "skips": dict(config=dict(sparsity=0.9, warmup_steps=3, ramp_steps=0), steps=10, nonfinite_at=(1, 6)),
     # rank 1's last layer alone gets a NaN gradient at a sparse step: its bucket is dropped, the others' values return
     "skip_one_bucket": dict(config=dict(sparsity=0.9, warmup_steps=3, ramp_steps=0), steps=9, bucket_cap_mb=0.01,
-                            nan_grad_at=6),
+                            poison={6: (1, float("nan"), "all")}),
+    # the same on a rounding wire: the clean buckets' residuals keep each rank's rounding and the returned mean
+    "skip_one_bucket_int8": dict(config=dict(sparsity=0.9, warmup_steps=3, ramp_steps=0, wire="int8", wire_block=16),
+                                 steps=9, bucket_cap_mb=0.01, poison={6: (1, float("nan"), "all")}),
+    # one coordinate of the last layer off the step's mask, +inf on rank 1, then -inf on rank 0: the values
+    # exchanged stay finite, only the bucket's own check sees it (both ends of its range)
+    "inf_off_mask": dict(config=dict(sparsity=0.9, warmup_steps=3, ramp_steps=0), steps=9, bucket_cap_mb=0.01,
+                         poison={5: (1, float("inf"), "one"), 6: (0, float("-inf"), "one")}),
     "bf16": dict(config=dict(sparsity=0.9, warmup_steps=2, ramp_steps=0), steps=12, dtype=torch.bfloat16),
     # shard_optimizer: each rank keeps m, sq, windows of its block of rows (64-wide: blocks cut parameters)
     "linear99_ramp_sharded": dict(config=dict(sparsity=0.99, warmup_steps=2, ramp_steps=9, chunk_size=64,
@@ -97,9 +104,7 @@ def _record(rank: int, world: int, cases: dict) -> dict:
             loss = (ddp(x) - y).float().pow(2).mean()
             if rank == 1 and t in spec.get("nonfinite_at", ()):
                 loss = loss * float("inf")
-            poison = None
-            if rank == 1 and t == spec.get("nan_grad_at"):
-                poison = model[-1].weight.register_hook(lambda g: torch.full_like(g, float("nan")))
+            poison = _poison(model[-1].weight, state, t, rank, spec.get("poison", {}).get(t))
             loss.backward()
             if poison is not None:
                 poison.remove()
@@ -113,8 +118,28 @@ def _record(rank: int, world: int, cases: dict) -> dict:
             records.append(dict(before=before, grads=dict(local), mask=used, groups=groups, compact=compact,
                                 lr=lr_at(t), synced=synced, after=probe.snapshot(state, opt)))
         out[case] = dict(records=records, skipped=state.stats()["skipped_steps"], kernels=state.kernels.built,
-                         plans=probe.shard_plans(state))
+                         plans=probe.shard_plans(state), buckets=[plan.names for plan in state.buckets.plans.values()])
     return out
+
+
+def _poison(param: torch.nn.Parameter, state: ScapeState, step: int, rank: int, what: tuple | None):
+    """A gradient hook on ``param`` for ``what`` = ``(rank, value, "all" | "one")`` at this step: every
+    coordinate, or the first one off the step's mask, becomes ``value`` on that rank (None: no hook)."""
+    if what is None or what[0] != rank:
+        return None
+    _, value, where = what
+    if where == "all":
+        return param.register_hook(lambda g: torch.full_like(g, value))
+    free = torch.ones(param.numel(), dtype=torch.bool)
+    free[probe.mask(state, step)[state.names[id(param)]]] = False
+    at = int(free.nonzero()[0])
+
+    def one(g: torch.Tensor) -> torch.Tensor:
+        g = g.clone()
+        g.view(-1)[at] = value
+        return g
+
+    return param.register_hook(one)
 
 
 @pytest.fixture(scope="module")
@@ -286,26 +311,48 @@ def test_skipped_steps_change_nothing_and_lose_nothing(runs, case):
     assert any(r["after"]["residual"][n].abs().sum() > 0 for r in steps[-1] for n in names)  # really held back
 
 
-@pytest.mark.parametrize("case", ["skip_one_bucket", "skip_one_bucket_compiled"])
+@pytest.mark.parametrize("case", ["skip_one_bucket", "skip_one_bucket_compiled", "skip_one_bucket_int8",
+                                  "inf_off_mask"])
 def test_a_dropped_bucket_loses_its_gradient_and_clean_buckets_lose_nothing(runs, case):
+    """At each poisoned step every rank skips; the poisoned layer's bucket drops that step's gradient (each
+    rank's residual as before), every clean bucket loses nothing: off the mask each rank's residual is
+    ``e_r + g_r``, and the ranks' mean residual is their mean ``e_r + g_r`` everywhere (on a rounding wire:
+    each rank's rounding kept beside the mean that went back)."""
     steps = steps_of(runs, case)
-    bad = CASES[case]["nan_grad_at"]
-    assert all(r[case]["skipped"] == 1 for r in runs)
-    for rank, rec in enumerate(steps[bad]):  # the step is skipped: parameters and m stay
-        for name in rec["before"]["param"]:
-            assert torch.equal(rec["after"]["param"][name], rec["before"]["param"][name]), (rank, name)
-            assert torch.equal(rec["after"]["m"][name], rec["before"]["m"][name]), (rank, name)
+    bad = sorted(CASES[case]["poison"])
+    poisoned = next(names for names in runs[0][case]["buckets"] if "4.weight" in names)
+    skipped = [r[case]["skipped"] for r in runs]
+    assert skipped == [len(bad)] * len(runs), f"{case}: skipped steps per rank {skipped}, want {len(bad)}"
+    for t in bad:
+        recs = steps[t]
+        for rank, rec in enumerate(recs):  # the step is skipped: parameters and m stay
+            for name in rec["before"]["param"]:
+                where = f"{case} step {t} rank {rank} {name}"
+                assert torch.equal(rec["after"]["param"][name], rec["before"]["param"][name]), where
+                assert torch.equal(rec["after"]["m"][name], rec["before"]["m"][name]), where
+                before, after = rec["before"]["residual"][name], rec["after"]["residual"][name]
+                if name in poisoned:
+                    close(after, before, f"{where}: residual of the dropped bucket")
+                    continue
+                off = torch.ones_like(before, dtype=torch.bool)
+                off[recs[0]["mask"][name]] = False
+                close(after[off], (before + rec["grads"][name])[off], f"{where}: residual off the mask")
+        for name in [n for n in recs[0]["before"]["param"] if n not in poisoned]:
+            got = sum(r["after"]["residual"][name] for r in recs) / len(recs)
+            want = sum(r["before"]["residual"][name] + r["grads"][name] for r in recs) / len(recs)
+            close(got, want, f"{case} step {t} {name}: mean residual (nothing lost)")
     dropped, kept = [], []
     for name in steps[0][0]["before"]["param"]:
-        applied = sum(recs[0]["synced"][name] for t, recs in enumerate(steps) if t != bad)
+        applied = sum(recs[0]["synced"][name] for t, recs in enumerate(steps) if t not in bad)
         mean = [sum(r["grads"][name] for r in recs) / len(recs) for recs in steps]
         residual = sum(r["after"]["residual"][name] for r in steps[-1]) / len(steps[-1])
-        without = (applied + residual - sum(g for t, g in enumerate(mean) if t != bad)).abs().max()
-        with_it = (applied + residual - sum(mean)).abs().max() if mean[bad].isfinite().all() else float("inf")
+        without = (applied + residual - sum(g for t, g in enumerate(mean) if t not in bad)).abs().max()
+        with_it = ((applied + residual - sum(mean)).abs().max() if all(mean[t].isfinite().all() for t in bad)
+                   else float("inf"))
         assert min(without, with_it) < 1e-5, f"{name}: gradient mass lost ({without}, {with_it})"
         (dropped if without < 1e-5 else kept).append(name)
-    # the poisoned layer's bucket dropped that step's gradient; a clean bucket's values went back to the residuals
-    assert "4.weight" in dropped and kept, (dropped, kept)
+    # the poisoned layer's bucket dropped those steps' gradients; a clean bucket's values went back to the residuals
+    assert sorted(dropped) == sorted(poisoned) and kept, (dropped, poisoned, kept)
 
 
 @pytest.mark.parametrize("case", ["bf16", slow("bf16_compiled")])

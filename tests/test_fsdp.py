@@ -5,6 +5,8 @@ contract's arithmetic on each shard; a non-finite gradient on one replica skips 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -26,12 +28,12 @@ def _mesh():
     return init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
 
 
-def _tokens(step: int, rank: int) -> torch.Tensor:
-    return torch.randint(0, 64, (4, 12), generator=torch.Generator().manual_seed(1000 * step + rank))
+def _tokens(step: int, rank: int, vocab: int = 64) -> torch.Tensor:
+    return torch.randint(0, vocab, (4, 12), generator=torch.Generator().manual_seed(1000 * step + rank))
 
 
 def _loss(model: nn.Module, step: int, rank: int, scale: float = 1.0) -> torch.Tensor:
-    tokens = _tokens(step, rank)
+    tokens = _tokens(step, rank, model.embed.num_embeddings)
     logits = model(tokens[:, :-1])
     return nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()) * scale
 
@@ -46,6 +48,20 @@ def _scape_model(model: nn.Module, mesh, **fields):
 
 def _local(model: nn.Module) -> torch.Tensor:
     return torch.cat([p._local_tensor.detach().reshape(-1) for p in model.parameters()])
+
+
+def _grads(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.grad._local_tensor.detach().reshape(-1) for p in model.parameters()])
+
+
+def _padded_split(g, shards: int) -> list[int]:
+    """Each parameter's coordinates and dim-0 padding in its group's reduce-scatter output, from the
+    parameter's shape (dim 0 cut in ``ceil(rows / shards)`` per shard), not from SCAPE's own split."""
+    split = []
+    for p in g.params:
+        padded = math.ceil(p.shape[0] / shards) * math.prod(p.shape[1:])
+        split += [p._local_tensor.numel(), padded - p._local_tensor.numel()]
+    return split
 
 
 def _same_across(tensor: torch.Tensor, group) -> bool:
@@ -156,9 +172,12 @@ def _sparse_99(rank: int, world: int) -> dict:
     replicate = mesh.get_group("replicate")
     try:
         out = {}
-        for case, fields in (("native", dict(wire="native")), ("default", {})):
-            model, opt = _scape(mesh, sparsity=0.99, **fields, **SCHEDULE)
+        # odd_vocab: 63 rows in the embedding and the head, so shard 1 holds 31 rows and a padding row of each
+        for case, vocab, fields in (("native", 64, dict(wire="native")), ("default", 64, {}),
+                                    ("odd_vocab", 63, dict(wire="native"))):
+            model, opt = _scape_model(TinyTransformer(vocab), mesh, sparsity=0.99, **fields, **SCHEDULE)
             state = opt.scape
+            shards = dist.get_world_size(mesh.get_group("shard"))
             captured = {}
 
             def hook(out_, g, state=state, captured=captured):
@@ -167,27 +186,30 @@ def _sparse_99(rank: int, world: int) -> dict:
 
             for g in state.groups:
                 g.module.set_all_reduce_hook(lambda out_, g=g, hook=hook: hook(out_, g))
-            identical, per_step, records = [], [], []
+            identical, per_step, records, grad_kept = [], [], [], []
             for step in range(14):
                 before, used = _snapshot(state, opt), _mask(state, step)
                 counting.calls.clear()
                 counting.on = True
                 _loss(model, step, dist.get_rank()).backward()
-                exchanged = _exchanged(state, step)
+                exchanged, synced = _exchanged(state, step), _grads(model).clone()
                 opt.step()
                 counting.on = False
+                grad_kept.append(torch.equal(_grads(model), synced))  # the step leaves p.grad as the hook did
                 dense = sum(g.numel for g in state.groups) * 4
                 per_step.append(dict(bytes=counting.bytes(replicate), dense=dense, mask=used is not None,
                                      calls=len([c for c in counting.calls if c[1] is replicate])))
-                grads = {n: captured[g.index].split(g.split)[::2][i].double().clone()
+                grads = {n: captured[g.index].split(_padded_split(g, shards))[::2][i].double().clone()
                          for g in state.groups for i, n in enumerate(g.names)}
+                grad_after = {n: p.grad._local_tensor.reshape(-1).double().clone() for n, p in state.params.items()}
                 opt.zero_grad()
-                records.append(dict(before=before, grads=grads, mask=used, exchanged=exchanged,
+                records.append(dict(before=before, grads=grads, mask=used, exchanged=exchanged, grad_after=grad_after,
                                     after=_snapshot(state, opt)))
                 identical.append(_same_across(_local(model), replicate) and _same_across(
                     opt.momentum_buffer, replicate))
             out[case] = dict(identical=identical, per_step=per_step, records=records, stats=state.stats(),
-                             density=state.config.density)
+                             density=state.config.density, grad_kept=grad_kept,
+                             padding=sum(sum(_padded_split(g, shards)[1::2]) for g in state.groups))
         out["coords"] = (dist.get_rank(mesh.get_group("replicate")), dist.get_rank(mesh.get_group("shard")))
         return out
     finally:
@@ -199,14 +221,44 @@ def sparse_runs() -> list[dict]:
     return run_distributed(_sparse_99, world_size=4)
 
 
-@pytest.mark.parametrize("case", ["native", "default"])
+SPARSE_CASES = ["native", "default", "odd_vocab"]
+
+
+@pytest.mark.parametrize("case", SPARSE_CASES)
 def test_replicas_stay_bit_identical_at_99(sparse_runs, case):
     for out in sparse_runs:
         assert all(out[case]["identical"]), out[case]["identical"]
         assert out[case]["stats"]["skipped_steps"] == 0
 
 
-@pytest.mark.parametrize("case", ["native", "default"])
+def test_the_odd_vocabulary_pads_shard_1_only(sparse_runs):
+    """63 rows on 2 shards: shard 0 holds 32 rows, shard 1 31 and a padding row of the embedding, the head
+    and its bias (the contract test then covers parameters after a padded one in the reduce-scatter output)."""
+    padding = {out["coords"][1]: out["odd_vocab"]["padding"] for out in sparse_runs}
+    assert padding == {0: 0, 1: 32 + 32 + 1}, padding
+    assert all(out["native"]["padding"] == 0 for out in sparse_runs)
+
+
+@pytest.mark.parametrize("case", SPARSE_CASES)
+def test_the_step_leaves_the_synchronized_gradient_in_p_grad(sparse_runs, case):
+    """``p.grad`` after ``optimizer.step()`` is what the hook left (bit for bit): on a sparse step the mean the
+    wire delivered on the mask, zeros elsewhere; the update the step wrote into the regions is not left there."""
+    checked = 0
+    for out in sparse_runs:
+        assert all(out[case]["grad_kept"]), out[case]["grad_kept"]
+        for t, rec in enumerate(out[case]["records"]):
+            if rec["mask"] is None:
+                continue
+            for name, grad in rec["grad_after"].items():
+                on = torch.zeros_like(grad, dtype=torch.bool)
+                on[rec["mask"][name]] = True
+                assert torch.equal(grad[rec["mask"][name]], rec["exchanged"][name]), f"{case} step {t} {name}"
+                assert not grad[~on].any(), f"{case} step {t} {name}: nonzero off the mask"
+            checked += 1
+    assert checked >= 4 * 8
+
+
+@pytest.mark.parametrize("case", SPARSE_CASES)
 def test_a_sparse_step_hands_the_replicate_group_about_1_percent_of_hsdp(sparse_runs, case):
     for out in sparse_runs:
         steps = out[case]["per_step"]
@@ -226,10 +278,12 @@ def _by_shard(runs: list[dict], case: str) -> dict[int, list[list[dict]]]:
     return out
 
 
-@pytest.mark.parametrize("case", ["native", "default"])
+@pytest.mark.parametrize("case", SPARSE_CASES)
 def test_a_sparse_step_follows_the_contract_on_each_shard(sparse_runs, case):
     """Native: the reference's exact mean. Default (int4): the mean the wire delivered, each replica's
-    residual then its own rounding, so the replicas' mean residual is the contract's (conservation)."""
+    residual then its own rounding, so the replicas' mean residual is the contract's (conservation).
+    Odd vocabulary: native, with padding in shard 1's reduce-scatter output (its gradients read at the
+    parameters' own offsets, ``_padded_split``)."""
     checked = 0
     for shard, replicas in _by_shard(sparse_runs, case).items():
         for t, recs in enumerate(zip(*replicas)):
@@ -254,12 +308,35 @@ def test_a_sparse_step_follows_the_contract_on_each_shard(sparse_runs, case):
 
 
 # ----------------------------------------------------------------------------------------
+POISONED = {9: float("inf"), 10: float("nan")}  # sparse steps: one coordinate of one shard's gradient, one rank
+
+
+def _poison_one_coordinate(state, mesh, bad_rank: int) -> None:
+    """At each step of :data:`POISONED`, rank ``bad_rank``'s reduce-scattered gradient (its shard's, before
+    SCAPE) gets the value at one coordinate of the first group's first parameter, off the step's mask: the
+    exchanged values stay finite, only the region's own check can see it (issue 35, cases 6 and 8)."""
+    shards = dist.get_world_size(mesh.get_group("shard"))
+
+    def hook(output, g):
+        value = POISONED.get(state.step)
+        if value is not None and dist.get_rank() == bad_rank and g.index == 0:
+            picked = _mask(state, state.step)[g.names[0]]
+            free = torch.ones(_padded_split(g, shards)[0], dtype=torch.bool)
+            free[picked] = False
+            output[int(free.nonzero()[0])] = value  # the first parameter starts the output
+        state.reduce(g, output)
+
+    for g in state.groups:
+        g.module.set_all_reduce_hook(lambda output, g=g: hook(output, g))
+
+
 def _nonfinite(rank: int, world: int) -> dict:
     mesh = _mesh()
     model, opt = _scape(mesh, sparsity=0.99, **SCHEDULE)
     replicate = mesh.get_group("replicate")
     bad_rank, changed = 2, []  # replica 1, shard 0
-    for step in range(10):
+    _poison_one_coordinate(opt.scape, mesh, bad_rank)
+    for step in range(12):
         before = _local(model).clone()
         scale = float("inf") if step in (2, 7) and dist.get_rank() == bad_rank else 1.0  # dense and sparse
         _loss(model, step, dist.get_rank(), scale).backward()
@@ -291,9 +368,12 @@ def edge_runs() -> list[dict]:
 
 
 def test_a_non_finite_gradient_on_one_replica_skips_the_step_everywhere(edge_runs):
-    for out in edge_runs:
-        assert out["skipped"] == 2
-        assert out["changed"] == [step not in (2, 7) for step in range(10)], out["changed"]
+    """A whole loss times inf (steps 2, 7), one +inf off the mask (9) and one NaN (10) in one shard's gradient
+    on one rank: every rank skips, the other shard through the shard group's flag."""
+    skips = (2, 7, *POISONED)
+    for rank, out in enumerate(edge_runs):
+        assert out["skipped"] == len(skips), (rank, out["skipped"])
+        assert out["changed"] == [step not in skips for step in range(12)], (rank, out["changed"])
         assert out["finite"] and out["identical"]
 
 
@@ -374,7 +454,8 @@ def _resume(rank: int, world: int, path: str) -> dict:
 
     def train(model, opt, start, stop, set_to_none=True):
         for step in range(start, stop):
-            _loss(model, step, dist.get_rank()).backward()
+            skipped = step == 6 and dist.get_rank() == 2  # one skipped step before the save: its counter is saved
+            _loss(model, step, dist.get_rank(), float("inf") if skipped else 1.0).backward()
             opt.step()
             opt.zero_grad(set_to_none=set_to_none)
             if step + 1 == save_at and path_to_save:
@@ -387,13 +468,13 @@ def _resume(rank: int, world: int, path: str) -> dict:
     path_to_save = True
     model, opt = _scape(mesh, sparsity=0.99, **SCHEDULE)
     train(model, opt, 0, steps)
-    whole = final(model, opt)
+    whole, whole_stats = final(model, opt), opt.scape.stats()
     path_to_save = False
     model, opt = _scape(mesh, sparsity=0.99, **SCHEDULE)
     load_fsdp_checkpoint(path, model, opt)
     resumed_step = opt.scape.step
     train(model, opt, save_at, steps)
-    again = final(model, opt)
+    again, again_stats = final(model, opt), opt.scape.stats()
     from torch.distributed.device_mesh import init_device_mesh
     other = init_device_mesh("cpu", (4, 1), mesh_dim_names=("replicate", "shard"))  # same rows, another mesh
     model, opt = _scape(other, sparsity=0.99, **SCHEDULE)
@@ -411,6 +492,7 @@ def _resume(rank: int, world: int, path: str) -> dict:
     train(model, opt, 0, steps, set_to_none=False)
     kept_grads = final(model, opt)
     return dict(step=resumed_step, differ={k: int((whole[k] != again[k]).sum()) for k in whole},
+                stats=(whole_stats, again_stats),
                 sizes={k: v.numel() for k, v in whole.items()},
                 kept_grads={k: int((whole[k] != kept_grads[k]).sum()) for k in whole}, refused=refused,
                 refused_clean=refused_clean, mixups=mixups)
@@ -420,6 +502,8 @@ def test_a_dcp_checkpoint_resumes_bit_for_bit_at_the_same_mesh_and_zeroed_gradie
     for out in run_distributed(_resume, str(tmp_path / "ckpt"), world_size=4):
         assert out["step"] == 8
         assert out["differ"] == {"param": 0, "m": 0, "residual": 0, "windows": 0}, (out["differ"], out["sizes"])
+        whole, again = out["stats"]  # the counters resume too (issue 35): steps, bytes, hook calls, skipped steps
+        assert again == whole and whole["steps"] == 14 and whole["skipped_steps"] == 1, (whole, again)
         assert out["kept_grads"] == {"param": 0, "m": 0, "residual": 0, "windows": 0}, out["kept_grads"]
         # saved on (2, 2), loaded on (4, 1): refused before anything loads (issue 35, case 2)
         assert out["refused"].startswith("ValueError: this FSDP2 checkpoint was saved on a (2, 2)"), out["refused"]

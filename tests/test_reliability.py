@@ -374,6 +374,29 @@ def _step_without_backward(rank):
                 and all(torch.equal(a, b) for a, b in zip(before[2], after[2])), step=state.step)
 
 
+MAX_NORM = 0.05  # below every sparse step's gradient norm in _clipping: the clip acts at each
+
+
+def _clipping(rank):
+    """``clip_grad_norm_`` between backward and step, with DDP's default ``gradient_as_bucket_view=False``
+    (``p.grad`` is a copy of the bucket, clipped there) and with bucket views; and a run clipped on the dense
+    steps only: the sparse steps' update must read the clipped ``p.grad`` (issue 35, case 4)."""
+    out = {}
+    for name, view, clip_sparse in (("view", True, True), ("copy", False, True), ("copy_dense_only", False, False)):
+        model = make_model()
+        ddp, state, opt = scape_setup(model, 0.9, ddp_kwargs=dict(gradient_as_bucket_view=view))
+        norms = []
+        for step in range(8):
+            loss_fn(ddp, *batch(step, rank)).backward()
+            dense = state.is_dense(state.step)
+            if clip_sparse or dense:
+                norms.append((dense, float(torch.nn.utils.clip_grad_norm_(model.parameters(), MAX_NORM))))
+            opt.step()
+            opt.zero_grad()
+        out[name] = dict(state=snapshot(model, opt), norms=norms, sparse_steps=8 - state.config.warmup_steps)
+    return out
+
+
 def _save_into_a_missing_folder(rank, tmp):
     """Every rank gets rank 0's error before any collective, and the run trains on (issue 35, case 7)."""
     model = make_model()
@@ -403,7 +426,7 @@ def _save_on_rank0_only(rank, tmp):
 
 def _misuse_launch(rank, world, tmp):
     return dict(unsynchronized=_unsynchronized_steps(rank), schedule=_changed_schedule(rank),
-                optimizer=_optimizer_misuse(rank), no_backward=_step_without_backward(rank),
+                optimizer=_optimizer_misuse(rank), no_backward=_step_without_backward(rank), clipping=_clipping(rank),
                 missing_folder=_save_into_a_missing_folder(rank, tmp),
                 save_rank0=_save_on_rank0_only(rank, tmp))
 
@@ -481,6 +504,18 @@ def test_save_checkpoint_on_rank_0_only_fails_in_seconds(misuse):
 def test_a_step_without_backward_does_nothing_and_the_schedule_stays(misuse):
     for r in misuse:
         assert r["no_backward"] == dict(same=True, step=4), r["no_backward"]
+
+
+def test_clipping_acts_on_sparse_steps_with_and_without_bucket_views(misuse):
+    for r in misuse:
+        out = r["clipping"]
+        sparse = [norm for dense, norm in out["copy"]["norms"] if not dense]
+        assert len(sparse) == out["copy"]["sparse_steps"] and min(sparse) > MAX_NORM, out["copy"]["norms"]
+        flat = {name: torch.cat([t.flatten() for t in run["state"][0] + run["state"][1]]) for name, run in out.items()}
+        # the clipped p.grad is what a sparse step applies, whether or not it is the bucket's memory
+        assert torch.equal(flat["copy"], flat["view"]), (flat["copy"] - flat["view"]).abs().max()
+        # and clipping the sparse steps changed their result (a run that silently does not clip them would not)
+        assert not torch.allclose(flat["copy"], flat["copy_dense_only"], rtol=0, atol=1e-6)
 
 
 def test_save_checkpoint_into_a_missing_folder_fails_on_every_rank_and_training_goes_on(misuse):

@@ -73,6 +73,7 @@ def report(trainer) -> dict:
         "logged_lr": [log["learning_rate"] for log in trainer.state.log_history if "loss" in log],
         "logged_scape": [{k: v for k, v in log.items() if k.startswith("scape/")}
                          for log in trainer.state.log_history if "loss" in log],
+        "log_keys": [sorted(log) for log in trainer.state.log_history],
         "stats": trainer.scape.stats(),
         "settings": {n: (getattr(trainer.scape.config, n), s) for n, s in trainer.scape.settings.sources.items()},
         "lightning": any(m.startswith("lightning") for m in sys.modules),
@@ -121,10 +122,10 @@ def _trainings(rank: int, world: int, out: str) -> dict:
                              sharded=trainer.scape.state.sharded,
                              saved=sorted(v["exp_avg"].shape for v in saved.values()),
                              shapes=sorted(p.shape for p in trainer.model.parameters()))
-    # 4. gradient accumulation (DDP no_sync on the first micro-batch of each step)
-    trainer = ScapeTrainer(model=tiny_gpt2(), args=training_args(out / "accumulate", max_steps=4, save_strategy="no",
-                                                                 gradient_accumulation_steps=2),
-                           train_dataset=Tokens(), scape=SPARSE)
+    # 4. gradient accumulation (DDP no_sync on the first micro-batch of each step), evaluated every 2 steps
+    args = training_args(out / "accumulate", max_steps=4, save_strategy="no", gradient_accumulation_steps=2,
+                         eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=4)
+    trainer = ScapeTrainer(model=tiny_gpt2(), args=args, train_dataset=Tokens(), eval_dataset=Tokens(8), scape=SPARSE)
     trainer.train()
     result["accumulate"] = report(trainer)
     if importlib.util.find_spec("trl") is not None:
@@ -197,6 +198,18 @@ def test_scape_stats_reach_the_trainer_logs(ranks):
                                                         "scape/skipped_streak"}
     assert logged[-1]["scape/bytes_sent"] == full["stats"]["bytes_sent"]
     assert logged[0]["scape/compression"] == 1.0 and logged[-1]["scape/compression"] > 2
+
+
+def test_scape_keys_are_on_training_logs_only(ranks):
+    """The training logs (``loss``) carry ``scape/*``; the evaluations' logs and the final metrics do not."""
+    logs = ranks[0]["accumulate"]["log_keys"]
+    scape = [{k for k in keys if k.startswith("scape/")} for keys in logs]
+    training = [s for keys, s in zip(logs, scape) if "loss" in keys]
+    other = [(keys, s) for keys, s in zip(logs, scape) if "loss" not in keys]
+    assert len(training) == 4 and all(len(s) == 5 for s in training), logs
+    assert sum("eval_loss" in keys for keys, _ in other) == 2, logs  # at steps 2 and 4
+    assert any("train_runtime" in keys for keys, _ in other), logs  # the final metrics
+    assert not any(s for _, s in other), other
 
 
 def test_save_steps_checkpoint_resumes_bit_for_bit(ranks):
