@@ -1,7 +1,7 @@
 """accelerate_scape: SCAPE for Hugging Face Accelerate, configured like Accelerate.
 
     accelerate-scape config --sparsity 0.99       # once: writes scape_config.yaml next to Accelerate's config
-    accelerate-scape launch --multi_gpu train.py  # exactly `accelerate launch`, with SCAPE_* exported
+    accelerate-scape launch --multi_gpu train.py  # exactly `accelerate launch`, the SCAPE settings set exported
 
     from accelerate_scape import ScapePlugin      # in train.py
     scape = ScapePlugin()

@@ -1,9 +1,9 @@
 """The ``accelerate-scape`` command: ``config``, ``env`` and ``launch``, shaped like ``accelerate``'s.
 
     accelerate-scape config                       # prompts, writes scape_config.yaml next to Accelerate's config
-    accelerate-scape config --sparsity 0.9 --warmup_steps 100   # no prompts: flags + defaults
+    accelerate-scape config --sparsity 0.9 --warmup_steps 100   # no prompts: writes these two
     accelerate-scape env                          # resolved settings and where each came from
-    accelerate-scape launch --multi_gpu --num_processes 8 train.py --lr 3e-4
+    accelerate-scape launch --multi_gpu --num_processes 8 train.py --lr 3e-4   # exports the SCAPE settings set
 """
 
 from __future__ import annotations
@@ -63,8 +63,9 @@ def main(argv: list[str] | None = None) -> int:
 def _config_parser(sub: Any) -> None:
     p = sub.add_parser("config", help="Write scape_config.yaml (prompts unless setting flags are given)",
                        description="Write scape_config.yaml next to Accelerate's default_config.yaml. Without "
-                                   "setting flags it asks for each setting; with flags it writes them plus the "
-                                   "defaults of the others, without prompting.")
+                                   "setting flags it asks for each setting; with flags it writes them, without "
+                                   "prompting. Only the settings given (or answered) are written: the others take, "
+                                   "in each run, the script's own defaults, else ScapeConfig's.")
     _add_file_argument(p, f"Where to write (default: {S.default_config_file()}; $SCAPE_CONFIG_FILE overrides)")
     _add_setting_arguments(p)
     p.set_defaults(func=_config_command)
@@ -73,8 +74,9 @@ def _config_parser(sub: Any) -> None:
 def _config_command(args: argparse.Namespace) -> int:
     given = _given_settings(args)
     try:
-        config = ScapeConfig(**(given if given else _ask_all()))
-        path = S.write_config_file(config, args.scape_config_file)
+        chosen = given if given else _ask_all()
+        config = ScapeConfig(**chosen)
+        path = S.write_config_file(config, args.scape_config_file, names=chosen)  # only what was chosen
     except (TypeError, ValueError, OSError) as e:
         return _fail("config", e)
     print(f"SCAPE configuration saved at {path}")
@@ -82,6 +84,7 @@ def _config_command(args: argparse.Namespace) -> int:
 
 
 def _ask_all() -> dict[str, Any]:
+    """Each setting asked in turn; the answers given (an empty answer keeps the default: not returned)."""
     values = {}
     for name, default in S.fields().items():
         question = QUESTIONS.get(name, name).format(rules=", ".join(sorted(UPDATE_RULES)))
@@ -93,7 +96,6 @@ def _ask_all() -> dict[str, Any]:
                 print()
                 raise ValueError("input ended before every question was answered; nothing written") from None
             if not raw:
-                values[name] = default
                 break
             try:
                 values[name] = S.parse_value(name, raw)
@@ -131,8 +133,11 @@ def _env_command(args: argparse.Namespace) -> int:
 # ----- launch -------------------------------------------------------------------------
 def _launch_parser(sub: Any) -> None:
     p = launch_command_parser(_WithHelp(sub, "Run `accelerate launch` with the SCAPE settings exported as SCAPE_*"))
-    p.description = ("Exactly `accelerate launch`, with the SCAPE settings (flags below > SCAPE_* environment "
-                     "> scape_config.yaml > defaults) exported as SCAPE_* to every process. " + (p.description or ""))
+    p.description = ("Exactly `accelerate launch`, with the SCAPE settings the user set (flags below > SCAPE_* "
+                     "environment > scape_config.yaml) exported as SCAPE_* to every process; settings left at their "
+                     "default are not exported, so a script's own defaults apply. On a machine without GPUs, "
+                     "--multi_gpu --num_processes N sets ACCELERATE_USE_CPU=1 (unless set) so that the N CPU "
+                     "processes train together. " + (p.description or ""))
     group = p.add_argument_group("SCAPE arguments", "Override the SCAPE settings for this launch.")
     _add_file_argument(group, "Read this SCAPE config file instead of the default one")
     _add_setting_arguments(group)
@@ -145,14 +150,20 @@ def _launch_command(args: argparse.Namespace) -> int:
     for name in [*S.fields(), "scape_config_file", "func"]:
         delattr(args, name)  # what remains is exactly `accelerate launch`'s namespace
     try:
-        resolved = S.resolve_settings(given, config_file=file)
+        resolved = S.resolve_settings(given, config_file=file, overrides_source="flag")
     except (ValueError, FileNotFoundError) as e:
         return _fail("launch", e)
-    os.environ.update(S.to_environ(resolved.config))
+    # only what the user set: a default left unexported lets the script's own defaults apply
+    exported = S.to_environ(resolved.config, resolved.chosen)
+    os.environ.update(exported)
     if file is not None:
         os.environ[S.CONFIG_FILE_ENV] = str(resolved.file)
-    summary = ", ".join(f"{n}={getattr(resolved.config, n)}" for n in S.fields())
-    print(f"accelerate-scape: SCAPE settings exported to every process: {summary}", file=sys.stderr)
+    print(f"accelerate-scape: SCAPE settings exported to every process: {', '.join(exported) or 'none'} (flag > "
+          "SCAPE_* environment > scape_config.yaml; settings at their default are not exported, so the script's "
+          f"own defaults apply, else ScapeConfig's):\n{resolved.describe()}", file=sys.stderr)
+    note = _cpu_processes(args)
+    if note:
+        print(f"accelerate-scape: {note}", file=sys.stderr)
     if _runs_python(args):  # each process runs the script under accelerate_scape.watch: it says if SCAPE is off
         module = ["-m"] if args.module else []
         args.training_script_args = [*module, args.training_script, *args.training_script_args]
@@ -161,16 +172,60 @@ def _launch_command(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cpu_processes(args: argparse.Namespace) -> str | None:
+    """On a machine without GPUs, what it takes for ``--num_processes N > 1`` to start N processes that
+    train together; sets ``ACCELERATE_USE_CPU=1`` for a multi-process launch where it is not set (as
+    torchrun sets OMP_NUM_THREADS: a default, said). Returns what to tell the user, or ``None``."""
+    defaults = _accelerate_defaults(args)
+    n = args.num_processes if args.num_processes is not None else getattr(defaults, "num_processes", None)
+    if not n or n <= 1 or _has_device():
+        return None
+    from accelerate.utils import DistributedType
+
+    kind = getattr(defaults, "distributed_type", None)
+    if kind == DistributedType.MULTI_CPU or getattr(args, "mpirun_hostfile", None):
+        return None  # Accelerate's own multi-CPU launch (mpirun), configured by the user
+    if args.cpu or not (args.multi_gpu or kind == DistributedType.MULTI_GPU):
+        return (f"Accelerate starts one process here for --num_processes {n} (no --multi_gpu, or --cpu): for {n} "
+                f"CPU processes, launch with --multi_gpu --num_processes {n}")
+    if os.environ.get("ACCELERATE_USE_CPU", "") != "":
+        return None  # the user's choice
+    os.environ["ACCELERATE_USE_CPU"] = "1"
+    return (f"no GPU on this machine: ACCELERATE_USE_CPU=1 is set for this launch, so the {n} processes train "
+            "together on the CPU (gloo); without it each would train alone. Set ACCELERATE_USE_CPU yourself "
+            "to decide otherwise")
+
+
+def _has_device() -> bool:
+    """Whether Accelerate finds an accelerator for its processes (CUDA or another it supports)."""
+    import torch
+    from accelerate import utils
+
+    if torch.cuda.is_available():
+        return True
+    names = ("is_xpu_available", "is_npu_available", "is_mlu_available", "is_musa_available", "is_hpu_available",
+             "is_sdaa_available", "is_neuron_available", "is_torch_xla_available")
+    return any(check() for check in (getattr(utils, name, None) for name in names) if check is not None)
+
+
+def _accelerate_defaults(args: argparse.Namespace) -> Any:
+    """Accelerate's config file as `accelerate launch` reads it (``None`` where there is none)."""
+    from accelerate.commands.config import default_config_file, load_config_from_file
+
+    if args.config_file is None and not os.path.isfile(default_config_file):
+        return None
+    return load_config_from_file(args.config_file)
+
+
 def _runs_python(args: argparse.Namespace) -> bool:
     """Whether the launcher starts ``python [-m] SCRIPT`` (not an executable, a TPU or SageMaker job)."""
     if args.no_python or args.tpu:
         return False
-    from accelerate.commands.config import default_config_file, load_config_from_file
     from accelerate.utils import ComputeEnvironment, DistributedType
 
-    if args.config_file is None and not os.path.isfile(default_config_file):
+    config = _accelerate_defaults(args)
+    if config is None:
         return True
-    config = load_config_from_file(args.config_file)  # as `accelerate launch` reads it
     return (config.compute_environment != ComputeEnvironment.AMAZON_SAGEMAKER
             and config.distributed_type != DistributedType.XLA)
 

@@ -16,11 +16,15 @@ from torch.nn.parallel import DistributedDataParallel
 from accelerate_scape.settings import Settings, resolve_settings
 from scape_core import AdamS, ScapeAdamS, ScapeState, gather_state_dict, scape_hook
 from scape_core.checkpoint import verify_folder
+from scape_core.config import check_max_steps
 from scape_core.convert import adams_param_groups, to_adams, to_scape_adams
 from scape_core.model import unwrap_compiled
 
 _NOT_DDP = (DistributedType.DEEPSPEED, DistributedType.FSDP, DistributedType.MEGATRON_LM, DistributedType.XLA)
 _INACTIVE = {"scape_active": False}  # what a single-process run checkpoints
+ALONE = ("SCAPE: inactive: this process is one of WORLD_SIZE={world} launched, but its Accelerator runs alone "
+         "(distributed_type {kind}), so each process trains by itself, without SCAPE. On a machine without GPUs "
+         "Accelerate joins CPU processes only with ACCELERATE_USE_CPU=1 in the environment (or Accelerator(cpu=True))")
 
 
 class ScapePlugin:
@@ -44,7 +48,8 @@ class ScapePlugin:
     bf16 mixed precision. fp16 (a GradScaler) is refused. Communication stats go to
     ``accelerator.log`` every ``log_every`` optimizer steps when trackers are set (keys
     ``scape/bytes_sent``, ``scape/compression``, ..., at ``step`` = SCAPE optimizer steps), or
-    call :meth:`log` yourself. A step that SCAPE skips (a non-finite gradient on any rank) shows as
+    call :meth:`log` yourself (``scape/compression`` since the run began, ``scape/step_compression``
+    the last step's). A step that SCAPE skips (a non-finite gradient on any rank) shows as
     ``accelerator.optimizer_step_was_skipped`` and does not advance the LR scheduler.
 
     Single process: SCAPE is inactive (nothing to communicate); the optimizer is still converted,
@@ -52,9 +57,15 @@ class ScapePlugin:
     SCAPE's dense steps. Its checkpoints resume in a multi-process run (SCAPE starts with its
     warm-up) and vice versa (SCAPE state ignored, with a warning).
 
+    At :meth:`prepare` rank 0 logs SCAPE's start-of-run line (the settings that differ from the
+    defaults, with where each came from; where sparse steps begin and the target density is reached)
+    and warns when ``max_steps`` ends before the target density.
+
     Args:
         config_file: a ``scape_config.yaml`` to read instead of the default one (must exist).
         log_every: optimizer steps between automatic ``accelerator.log`` calls; ``0`` turns it off.
+        max_steps: the run's optimizer steps, if known (Accelerate cannot know them): the
+            start-of-run line then warns when they end before the target density.
         **settings: ``ScapeConfig`` fields (``sparsity``, ``warmup_steps``, ``mask_delay``,
             ``mask_refresh``, ``error_feedback``, ``score``, ``update``, ``ramp_steps``, ``chunk_size``,
             ``shard_optimizer``, ``wire``, ``wire_block``, ``skip_streak_warning``, ``kernels``, ``selection``): the
@@ -69,12 +80,14 @@ class ScapePlugin:
         ...     accelerator, model, optimizer, loader, scheduler)
     """
 
-    def __init__(self, *, config_file: str | os.PathLike | None = None, log_every: int = 10, **settings: Any) -> None:
+    def __init__(self, *, config_file: str | os.PathLike | None = None, log_every: int = 10,
+                 max_steps: int | None = None, **settings: Any) -> None:
         if isinstance(log_every, bool) or not isinstance(log_every, int) or log_every < 0:
             raise ValueError(f"log_every must be an int >= 0, got {log_every!r}")
         self.settings: Settings = resolve_settings(settings, config_file=config_file)
         self.config = self.settings.config
         self.log_every = log_every
+        self.max_steps = check_max_steps(max_steps)
         self.accelerator: Accelerator | None = None
         self.state: ScapeState | None = None  # None while inactive (single process) or before prepare
         self.optimizer: AdamS | None = None  # the converted optimizer inside the AcceleratedOptimizer
@@ -126,13 +139,15 @@ class ScapePlugin:
         self._start(accelerator, converted, out[opt_at], original)
         return tuple(out) if len(out) > 1 else out[0]
 
-    def attach(self, accelerator: Accelerator, model: nn.Module, optimizer: AcceleratedOptimizer) -> AdamS:
+    def attach(self, accelerator: Accelerator, model: nn.Module, optimizer: AcceleratedOptimizer, *,
+               max_steps: int | None = None) -> AdamS:
         """SCAPE on a model and optimizer that ``accelerator.prepare`` already prepared; returns the optimizer.
 
         For frameworks that call ``accelerator.prepare`` themselves (``transformers.Trainer``:
         use :class:`accelerate_scape.trainer.ScapeTrainer`, which calls this): registers the hook on
         the prepared DDP ``model`` and converts the optimizer inside ``optimizer`` in place, as
         :meth:`prepare` does, before its first step. A scheduler already built on it follows.
+        ``max_steps``: the run's optimizer steps as the framework knows them (else the plugin's).
 
         Example:
             >>> model, optimizer = accelerator.prepare(model, torch.optim.AdamW(model.parameters()))  # doctest: +SKIP
@@ -149,6 +164,8 @@ class ScapePlugin:
         original = type(inner).__name__
         adams_param_groups(inner)  # refuses what SCAPE cannot train, before anything changes
         converted = self._hook(model, inner) if multi else to_adams(inner)
+        if max_steps is not None:
+            self.max_steps = check_max_steps(max_steps)
         self._start(accelerator, converted, optimizer, original)
         return converted
 
@@ -164,12 +181,16 @@ class ScapePlugin:
         return to_scape_adams(optimizer, self.state)  # in place, as above
 
     def _start(self, accelerator: Accelerator, converted: AdamS, prepared: AcceleratedOptimizer, original: str) -> None:
-        if self.state is None:
+        launched = int(os.environ.get("WORLD_SIZE", "1"))
+        if self.state is None and launched > 1:  # several processes, each alone: almost always a mistake
+            if os.environ.get("RANK", "0") == "0":
+                warnings.warn(ALONE.format(world=launched, kind=accelerator.distributed_type), stacklevel=3)
+        elif self.state is None:
             accelerator.print(f"SCAPE: inactive (single process), training densely with AdamS "
                               f"(converted from {original})")
         else:
-            accelerator.print(f"SCAPE: active on {accelerator.num_processes} processes, "
-                              f"{original} -> ScapeAdamS, settings:\n{self.settings.describe()}")
+            accelerator.print(f"SCAPE: active on {accelerator.num_processes} processes, {original} -> ScapeAdamS")
+            self.state.announce(self.max_steps, sources=self.settings.sources)
         self.accelerator = accelerator
         self.optimizer = converted
         self._prepared_optimizer = prepared

@@ -15,7 +15,7 @@ import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterable, Mapping
 
 import yaml
 
@@ -67,13 +67,19 @@ def default_config_file(environ: Mapping[str, str] | None = None) -> Path:
 class Settings:
     """A resolved :class:`ScapeConfig` and, per field, where its value came from.
 
-    ``sources[field]`` is ``"argument"``, ``"env SCAPE_<FIELD>"``, ``"file <path>"`` or ``"default"``.
+    ``sources[field]`` is ``"argument"`` (or the name :func:`resolve_settings` was given for the
+    overrides, e.g. ``"flag"``), ``"env SCAPE_<FIELD>"``, ``"file <path>"`` or ``"default"``.
     """
 
     config: ScapeConfig
     sources: dict[str, str]
     file: Path
     file_found: bool
+
+    @property
+    def chosen(self) -> list[str]:
+        """The fields set somewhere (an override, the environment or the file), not left at the default."""
+        return [n for n, s in self.sources.items() if s != "default"]
 
     def describe(self) -> str:
         """One line per field: ``name = value  (source)``."""
@@ -86,11 +92,13 @@ def resolve_settings(
     *,
     config_file: str | os.PathLike | None = None,
     environ: Mapping[str, str] | None = None,
+    overrides_source: str = "argument",
 ) -> Settings:
     """Resolve every ``ScapeConfig`` field: ``overrides`` > ``SCAPE_*`` env > config file > default.
 
-    ``None`` in ``overrides`` means "not given". The config file is read whenever it exists, so
-    a bad file is an error even where the environment overrides its keys.
+    ``None`` in ``overrides`` means "not given"; ``overrides_source`` names where they came from in
+    :attr:`Settings.sources`. The config file is read whenever it exists, so a bad file is an error
+    even where the environment overrides its keys.
 
     Example:
         >>> s = resolve_settings({"sparsity": 0.9}, environ={"SCAPE_WARMUP_STEPS": "20", "HF_HOME": "/none"})
@@ -116,7 +124,7 @@ def resolve_settings(
     values, sources = {}, {}
     for name, default in defaults.items():
         if name in given:
-            values[name], sources[name] = given[name], "argument"
+            values[name], sources[name] = given[name], overrides_source
         elif env.get(env_name(name), "") != "":
             values[name], sources[name] = parse_env_value(name, env[env_name(name)]), f"env {env_name(name)}"
         elif name in from_file:
@@ -193,27 +201,40 @@ def parse_value(name: str, raw: str, where: str | None = None) -> Any:
     return value
 
 
-def write_config_file(config: ScapeConfig, path: str | os.PathLike | None = None) -> Path:
-    """Write every field of ``config`` to ``path`` (default: :func:`default_config_file`); returns it.
+def write_config_file(config: ScapeConfig, path: str | os.PathLike | None = None,
+                      names: Iterable[str] | None = None) -> Path:
+    """Write the fields ``names`` of ``config`` (default: every field) to ``path`` (default:
+    :func:`default_config_file`); returns it. A field left out takes, in each run, the script's own
+    default or ``ScapeConfig``'s.
 
     Example:
-        >>> write_config_file(ScapeConfig(sparsity=0.9), "/tmp/scape_config.yaml")  # doctest: +SKIP
-        PosixPath('/tmp/scape_config.yaml')
+        >>> write_config_file(ScapeConfig(sparsity=0.99), "/tmp/scape.yaml", names=["sparsity"])  # doctest: +SKIP
+        PosixPath('/tmp/scape.yaml')
     """
     path = Path(path).expanduser() if path is not None else default_config_file()
-    header = "# SCAPE settings for accelerate_scape (written by `accelerate-scape config`)\n"
+    values = config.to_dict()
+    chosen = {n: values[n] for n in (values if names is None else names)}
+    header = ("# SCAPE settings for accelerate_scape (written by `accelerate-scape config`); a setting not here takes "
+              "the script's own default, else ScapeConfig's\n")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(header + yaml.safe_dump(config.to_dict(), sort_keys=False), encoding="utf-8")
+        path.write_text(header + (yaml.safe_dump(chosen, sort_keys=False) if chosen else ""), encoding="utf-8")
     except OSError as e:  # the same error type, saying which file could not be written
         raise type(e)(e.errno, f"cannot write the SCAPE config file {path}: {e.strerror}", e.filename) from None
     return path
 
 
-def to_environ(config: ScapeConfig) -> dict[str, str]:
-    """``SCAPE_*`` variables that reproduce ``config`` in a child process."""
+def to_environ(config: ScapeConfig, names: Iterable[str] | None = None) -> dict[str, str]:
+    """``SCAPE_*`` variables that reproduce ``config`` (or its fields ``names``) in a child process.
+
+    Example:
+        >>> to_environ(ScapeConfig(sparsity=0.99), names=["sparsity"])
+        {'SCAPE_SPARSITY': '0.99'}
+    """
+    values = config.to_dict()
     out = {}
-    for name, value in config.to_dict().items():
+    for name in values if names is None else names:
+        value = values[name]
         out[env_name(name)] = ("1" if value else "0") if isinstance(value, bool) else str(value)
     return out
 

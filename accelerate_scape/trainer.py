@@ -58,14 +58,22 @@ class ScapeTrainerMixin:
     ``optimizer.pt`` there from rank 0); every rank's SCAPE state is gathered there and rank 0
     writes it to ``scape_state.pt`` in the checkpoint folder. ``train(resume_from_checkpoint=...)``
     converts the optimizer before the Trainer loads its state and restores each rank's residual:
-    bit-for-bit at the same world size (with the native wire; see ``docs/reliability.md``). A
+    bit-for-bit at the same world size, on every wire (no value depends on DDP's buckets:
+    ``docs/reliability.md``, "Exact resume"). A
     damaged torch file in the checkpoint folder (``scape_state.pt``, ``optimizer.pt``, ...) is
     refused, naming it, before the weights load (:func:`scape_core.checkpoint.verify_folder`).
 
-    Logging: each training log (every ``logging_steps``) carries ``scape/compression``,
-    ``scape/bytes_sent``, ``scape/dense_bytes``, ``scape/skipped_steps`` (rank 0's, since the
-    run began) and ``scape/skipped_streak`` (consecutive skipped steps now), so they reach
-    ``report_to`` and ``trainer.state.log_history``.
+    Logging: at the start of training rank 0 logs SCAPE's start-of-run line (the settings that
+    differ from the defaults, where sparse steps begin and the target density is reached) and warns
+    when ``max_steps`` (the Trainer's total optimizer steps) ends before the target density. Each
+    training log (every ``logging_steps``) carries ``scape/compression``, ``scape/bytes_sent``,
+    ``scape/dense_bytes``, ``scape/skipped_steps`` (rank 0's, since the run began),
+    ``scape/step_compression`` (the last step's) and ``scape/skipped_streak`` (consecutive skipped
+    steps now), so they reach ``report_to`` and ``trainer.state.log_history``.
+
+    DDP: ``ddp_find_unused_parameters`` left at ``None`` becomes ``False`` (the Trainer's own default
+    is ``True`` for a ``PreTrainedModel``, which makes DDP search the graph every step and warn that
+    it found nothing); set it to ``True`` for a model with parameters some steps leave unused.
 
     Refused: DeepSpeed and FSDP (SCAPE replaces DDP's all-reduce), ``fp16=True`` (its loss
     scaler skips steps behind SCAPE's back: use ``bf16=True``), optimizers other than AdamW,
@@ -90,14 +98,18 @@ class ScapeTrainerMixin:
         if self.is_deepspeed_enabled or self.is_fsdp_enabled:
             raise ValueError("SCAPE replaces DDP's gradient all-reduce; this Trainer uses DeepSpeed / FSDP, which "
                              "shard gradients themselves. Train without them to use SCAPE.")
-        if self.accelerator.ddp_handler is not None:  # SCAPE reads and writes the gradients in DDP's buckets
-            self.accelerator.ddp_handler.gradient_as_bucket_view = True
+        ddp = self.accelerator.ddp_handler
+        if ddp is not None:
+            ddp.gradient_as_bucket_view = True  # SCAPE reads and writes the gradients in DDP's buckets
+            if self.args.ddp_find_unused_parameters is None:  # not chosen: no graph search at every step
+                ddp.find_unused_parameters = False
         self.add_callback(_AttachAtTrainBegin(self))
 
     def attach_scape(self) -> None:
         """Hook the DDP model and convert the optimizer, once they are prepared (before the first step)."""
         if self.scape.accelerator is None:
-            self.scape.attach(self.accelerator, self.model_wrapped, self.optimizer)
+            total = self.state.max_steps  # the Trainer's optimizer steps (0 before train() computed them)
+            self.scape.attach(self.accelerator, self.model_wrapped, self.optimizer, max_steps=total or None)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, *args: Any, **kwargs: Any) -> None:
         # the first load of a resume (the weights): every torch file of the folder is checked first

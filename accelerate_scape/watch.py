@@ -5,7 +5,8 @@ that calls ``accelerator.prepare`` (or builds a plain ``transformers.Trainer``) 
 DDP. So the launcher starts ``python -m accelerate_scape.watch [-m] SCRIPT ARGS...``, which
 runs the script as ``python [-m] SCRIPT ARGS...`` would, after registering a global optimizer
 step pre-hook: at the first optimizer step of the process it checks that the optimizer is
-SCAPE's, says so on rank 0 if not, and removes itself (no cost at later steps).
+SCAPE's, says so on rank 0 if not (advising ``ScapePlugin().prepare`` only where no plugin
+prepared the optimizer), and removes itself (no cost at later steps).
 
 Example:
     python -m accelerate_scape.watch train.py --lr 3e-4        # what each launched process runs
@@ -34,6 +35,8 @@ def check_first_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
     active = isinstance(optimizer, ScapeAdamS) or (world == 1 and isinstance(optimizer, AdamS))
     if active or os.environ.get("RANK", "0") != "0":
         return
+    if isinstance(optimizer, AdamS) and "accelerate_scape.plugin" in sys.modules:
+        return  # ScapePlugin prepared it but its Accelerator ran alone: the plugin said why (plugin.ALONE)
     print(f"{NOT_ACTIVE}: its first optimizer step is a {type(optimizer).__module__}.{type(optimizer).__name__} "
           f"on {world} process(es), so gradients travel without SCAPE and the SCAPE_* settings are unused. "
           "Use accelerate_scape.ScapePlugin().prepare(accelerator, ...) instead of accelerator.prepare(...), "

@@ -58,7 +58,7 @@ def train(args: argparse.Namespace, accelerator: Accelerator) -> dict:
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, cosine_decay(args.max_steps * accelerator.num_processes))
 
     # --- SCAPE: the plugin prepares everything and turns AdamW into ScapeAdamS ---
-    scape = ScapePlugin(**launcher_scape_settings(args))
+    scape = ScapePlugin(max_steps=args.max_steps, **launcher_scape_settings(args))  # max_steps: for its warning
     model, optimizer, train, val, scheduler = scape.prepare(accelerator, model, optimizer, train, val, scheduler)
     # ---------------------------------------------------------------------------
     for name in SCAPE_DEFAULTS:  # as resolved, for the summary

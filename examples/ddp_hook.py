@@ -52,7 +52,7 @@ def train(args: argparse.Namespace, device: torch.device) -> dict:
                                   gradient_as_bucket_view=True)  # SCAPE reads and writes the buckets
     # --- SCAPE: a state, the hook, and the optimizer that pairs with it ---
     state = ScapeState(ddp, sparsity=args.sparsity, warmup_steps=args.warmup_steps, ramp_steps=args.ramp_steps,
-                       wire=args.wire)
+                       wire=args.wire, max_steps=args.max_steps)  # max_steps: warns if the run ends too soon
     ddp.register_comm_hook(state, scape_hook)
     opt = ScapeAdamS(ddp.parameters(), state, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
     # ----------------------------------------------------------------------
@@ -68,7 +68,7 @@ def train(args: argparse.Namespace, device: torch.device) -> dict:
         x, y = (t.to(device) for t in next(batches))
         start = time.perf_counter()
         loss = next_token_loss(ddp, x, y)
-        loss.backward()  # scape_hook all-reduces one compact buffer per bucket
+        loss.backward()  # scape_hook stages each bucket into the step's one compact buffer, exchanged after the last
         opt.step()  # masked AdamS update, then the next mask is selected
         opt.zero_grad(set_to_none=True)
         schedule.step()

@@ -30,6 +30,7 @@ from torch.optim import Optimizer
 
 from lightning_scape.mixins import ScapeBase, check_precision, scape_config
 from scape_core import ScapeConfig
+from scape_core.config import check_max_steps
 from scape_core.convert import to_scape_adams
 from scape_core.fsdp import ScapeFSDPState, check_fsdp_config, fsdp_rank_state, load_fsdp_checkpoint
 
@@ -131,7 +132,7 @@ class ScapeModelParallelStrategy(ScapeFSDPMixin, ModelParallelStrategy):
             raise ValueError(f"SCAPE trains with exactly one optimizer, got {len(self.optimizers)}")
         self._attach_scape(self.model)
         self.optimizers = [self._convert_optimizers(self.optimizers)]  # in place: schedulers follow
-        self._warn_short_run(trainer)
+        self._announce(trainer)
 
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
@@ -176,7 +177,8 @@ class ScapeFabricModelParallelStrategy(ScapeFSDPMixin, FabricModelParallelStrate
     to :class:`~scape_core.fsdp.ScapeFSDPAdamS`). ``fabric.no_backward_sync`` accumulates;
     ``fabric.save`` / ``fabric.load`` write and read a DCP folder with each rank's optimizer and
     SCAPE state as its own entry (the rest of the state in ``meta.pt``), resuming bit-for-bit at
-    the same mesh. One model and one optimizer.
+    the same mesh. One model and one optimizer. ``max_steps``: as
+    :class:`~lightning_scape.ScapeFabricStrategy`'s.
 
     Example::
 
@@ -186,8 +188,9 @@ class ScapeFabricModelParallelStrategy(ScapeFSDPMixin, FabricModelParallelStrate
         fabric.save("ckpt/step_1000", {"model": model, "optimizer": optimizer, "step": 1000})
     """
 
-    def __init__(self, parallelize_fn: Callable[[Module, Any], Module], config: ScapeConfig | None = None,
-                 **kwargs: Any) -> None:
+    def __init__(self, parallelize_fn: Callable[[Module, Any], Module], config: ScapeConfig | None = None, *,
+                 max_steps: int | None = None, **kwargs: Any) -> None:
+        self.scape_max_steps = check_max_steps(max_steps)
         super().__init__(parallelize_fn, config=config, **kwargs)
 
     def setup_module(self, module: Module) -> Module:
@@ -195,7 +198,7 @@ class ScapeFabricModelParallelStrategy(ScapeFSDPMixin, FabricModelParallelStrate
         if self.scape_state is not None:
             raise RuntimeError(f"{type(self).__name__} trains one model per Fabric")
         module = super().setup_module(module)  # parallelize_fn on the (replicate, shard) mesh
-        self._attach_scape(module)
+        self._attach_scape(module).announce(self.scape_max_steps)
         return module
 
     def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:

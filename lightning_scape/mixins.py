@@ -11,7 +11,6 @@ import dataclasses
 import inspect
 import math
 import os
-import warnings
 from typing import Any, Callable
 
 from torch.nn import Module
@@ -20,6 +19,7 @@ from torch.optim import Optimizer
 
 from scape_core import ScapeAdamS, ScapeConfig, ScapeState, gather_state_dict, scape_hook
 from scape_core.checkpoint import verify_file
+from scape_core.config import check_max_steps
 from scape_core.convert import to_scape_adams
 from scape_core.state import scape_metrics
 
@@ -72,7 +72,7 @@ def progress_bar_text(stats: dict[str, float]) -> dict[str, str]:
 
 class ScapeBase:
     """What every SCAPE strategy does with its state, DDP's and FSDP2's (:mod:`lightning_scape.fsdp`):
-    the optimizer converted in place, the stats logged after a step, the short-run warning, the
+    the optimizer converted in place, the stats logged after a step, the start-of-run line, the
     collectives finished at teardown."""
 
     scape_config: ScapeConfig
@@ -85,12 +85,10 @@ class ScapeBase:
             raise RuntimeError("set up the model before its optimizer: SCAPE binds the optimizer to the model's state")
         return to_scape_adams(optimizers[0], self.scape_state)
 
-    def _warn_short_run(self, trainer: Any) -> None:
-        """Warn (rank 0) when the run's optimizer steps end before the target density."""
+    def _announce(self, trainer: Any) -> None:
+        """The start-of-run line on rank 0, and its warning when the run ends before the target density."""
         total = trainer.estimated_stepping_batches  # max_steps, or epochs x batches / accumulation
-        warning = self.scape_config.short_run_warning(int(total)) if math.isfinite(total) else None
-        if warning and self.global_rank == 0:  # type: ignore[attr-defined]
-            warnings.warn(warning, stacklevel=3)
+        self.scape_state.announce(int(total) if math.isfinite(total) else None)
 
     def _log_stats(self) -> None:
         stats = self.scape_state.stats()
@@ -166,7 +164,7 @@ class TrainerStrategyMixin(ScapeStrategyMixin):
     def setup_optimizers(self, trainer: Any) -> None:
         super().setup_optimizers(trainer)
         self.optimizers = [self._convert_optimizers(self.optimizers)]  # in place: its schedulers follow
-        self._warn_short_run(trainer)
+        self._announce(trainer)
 
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         output = super().optimizer_step(optimizer, closure, model, **kwargs)
@@ -193,7 +191,13 @@ class TrainerStrategyMixin(ScapeStrategyMixin):
 
 
 class FabricStrategyMixin(ScapeStrategyMixin):
-    """Fabric side: overrides ``DDPStrategy`` hooks (module/optimizer setup, step, save/load)."""
+    """Fabric side: overrides ``DDPStrategy`` hooks (module/optimizer setup, step, save/load).
+    ``max_steps``: the run's optimizer steps, if known (Fabric cannot know them): the start-of-run
+    line then warns when they end before the target density."""
+
+    def __init__(self, config: ScapeConfig | None = None, *, max_steps: int | None = None, **kwargs: Any) -> None:
+        self.scape_max_steps = check_max_steps(max_steps)
+        super().__init__(config, **kwargs)
 
     def setup_module(self, module: Module) -> DistributedDataParallel:
         check_precision(self.precision)
@@ -202,6 +206,7 @@ class FabricStrategyMixin(ScapeStrategyMixin):
                                "model (use a separate Fabric for another)")
         ddp = super().setup_module(module)
         self.scape_state = self._attach_scape(ddp)
+        self.scape_state.announce(self.scape_max_steps)
         return ddp
 
     def setup_optimizer(self, optimizer: Optimizer) -> ScapeAdamS:

@@ -21,14 +21,16 @@ class ScapeStrategy(TrainerStrategyMixin, DDPStrategy):
     device (stock DDP registers comm hooks only on CUDA), converts the optimizer returned by
     ``configure_optimizers`` (AdamW, Adam or AdamS, with their parameter groups and
     hyperparameters) in place to :class:`scape_core.ScapeAdamS` (LR schedulers and references the
-    module keeps follow), warns when ``max_steps`` ends before the warm-up and ramp, writes every rank's
+    module keeps follow), logs its start-of-run line on rank 0 at setup (the settings that differ
+    from the defaults, where sparse steps begin and the target density is reached) and warns when
+    ``max_steps`` (or the epochs' steps) end before the target density, writes every rank's
     SCAPE state into checkpoints under ``"scape"`` and resumes it with ``fit(ckpt_path=...)``
     (bit-for-bit at the same world size; a sharded optimizer is consolidated on rank 0 first, as
     ``ZeroRedundancyOptimizer``, so the checkpoint holds its whole state; a damaged local file is
     refused first, naming its damaged entry), and logs
     ``scape/bytes_sent``, ``scape/dense_bytes``, ``scape/compression`` and ``scape/skipped_steps``
-    (cumulative, this rank) and ``scape/skipped_streak`` (consecutive skipped steps now) to the
-    loggers; the progress bar shows ``scape/compression`` as
+    (cumulative, this rank), ``scape/step_compression`` (the last step's) and ``scape/skipped_streak``
+    (consecutive skipped steps now) to the loggers; the progress bar shows ``scape/compression`` as
     ``9.0x`` and ``scape/sent`` in MB. ``accumulate_grad_batches`` and ``gradient_clip_val`` work as usual;
     precision ``32-true``, ``bf16-mixed`` and ``bf16-true`` are supported, ``16-mixed`` is refused
     (its loss scaler skips optimizer steps). One optimizer only.
@@ -66,7 +68,9 @@ class ScapeFabricStrategy(FabricStrategyMixin, FabricDDPStrategy):
     ``fabric.no_backward_sync(model)``; ``fabric.save`` / ``fabric.load`` of a state holding the
     optimizer also carry every rank's SCAPE state (key ``"scape"``). Counters are in
     ``fabric.strategy.scape_state.stats()``. One model and one optimizer per Fabric.
-    Arguments as :class:`ScapeStrategy`.
+    Arguments as :class:`ScapeStrategy`, and ``max_steps``: the run's optimizer steps, if known
+    (Fabric cannot know them); the start-of-run line, logged on rank 0 at ``setup``, then warns when
+    they end before the target density.
 
     Example::
 

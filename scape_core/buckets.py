@@ -22,6 +22,7 @@ verdicts.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -226,6 +227,8 @@ class StepRecord:
     base: list[tuple[int, int]] | None = None  # the exchange's spans of the mask's entries (None: every entry)
     dtype: torch.dtype | None = None  # the native wire's (None: the buckets')
     returns_skipped: bool = True  # its finish returns a skipped step's means (one exchange per step)
+    # the step's hook calls, values and bytes (ScapeStateBase.count): the counters take them when it completes
+    counts: Counter = field(default_factory=Counter)
     already: str = ("scape_hook synchronized the same gradients twice without ScapeAdamS.step() in between (e.g. "
                     "{name!r}): every sync flushes residuals that only the SCAPE optimizer applies. Use "
                     "ScapeAdamS, and accumulate gradients under ddp.no_sync().")
@@ -262,11 +265,13 @@ class StepRecord:
         self.finite += part.finite
 
     def sync(self, names: tuple[str, ...]) -> None:
-        """A bucket's gradients are being synchronized; refuses a second sync before the optimizer step."""
+        """A bucket's gradients are being synchronized (a hook call, counted in :attr:`counts`); refuses
+        a second sync before the optimizer step."""
         again = self.synced.intersection(names)
         if again:
             raise RuntimeError(self.already.format(name=sorted(again)[0]))
         self.synced.update(names)
+        self.counts["hook_calls"] += 1
 
     def add_exchange(self, exchange: Exchange) -> None:
         """A region joins the exchange (its buffers exist: :meth:`open`)."""

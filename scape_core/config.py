@@ -247,6 +247,52 @@ class ScapeConfig:
         return (f"SCAPE: this run has {total_steps} optimizer steps, but its {what}. Lower warmup_steps / "
                 "ramp_steps (or train longer) to train at the sparsity you set.")
 
+    def changed(self) -> list[str]:
+        """The fields whose value differs from the default, in declaration order.
+
+        Example:
+            >>> ScapeConfig(sparsity=0.99, warmup_steps=50).changed()
+            ['sparsity']
+        """
+        return [f.name for f in dataclasses.fields(self) if getattr(self, f.name) != f.default]
+
+    def describe_run(self, total_steps: int | None = None, sources: Mapping[str, str] | None = None) -> str:
+        """The one line every adapter prints at the start of a run: the settings that differ from the
+        defaults (with where each came from, ``sources``, unless ``"argument"``), the step sparse steps
+        begin at, the step the target density is reached at, and ``total_steps`` if known.
+
+        Example:
+            >>> print(ScapeConfig(sparsity=0.99, warmup_steps=30, ramp_steps=90).describe_run(300))
+            SCAPE: sparsity=0.99, warmup_steps=30, ramp_steps=90 (the rest default); steps 0-29 dense (warm-up), \
+sparse from step 30 at density 0.25, at the target density 0.0753 (int4 wire, 1% of dense bytes) from step 60; \
+300 steps in this run
+            >>> print(ScapeConfig(warmup_steps=0, ramp_steps=0).describe_run(sources={"warmup_steps": "env X"}))
+            SCAPE: warmup_steps=0 (env X), ramp_steps=0 (the rest default); sparse from step 0, at the target \
+density 0.1 (native wire, 10% of dense bytes) from step 0
+        """
+        sources = sources or {}
+        shown = [f"{n}={getattr(self, n)!r}" + (f" ({sources[n]})" if sources.get(n, "argument") != "argument"
+                                                else "") for n in self.changed()]
+        settings = (", ".join(shown) + " (the rest default)" if shown else
+                    f"the default settings (sparsity={self.sparsity}, warmup_steps={self.warmup_steps}, "
+                    f"ramp_steps={self.ramp_steps})")
+        if self.dense:
+            plan = "every step dense (DDP + AdamS): nothing is saved"
+        else:
+            w, target = self.warmup_steps, self.target_step
+            start = self.schedule.density_at(w)
+            plan = (f"steps 0-{w - 1} dense (warm-up), " if w else "") + f"sparse from step {w}"
+            if target > w:
+                plan += f" at density {start:.3g}"
+            plan += (f", at the target density {self.density:.3g} ({self.resolved_wire} wire, "
+                     f"{(1 - self.sparsity) * 100:.3g}% of dense bytes) from step {target}")
+        if self.shard_optimizer:
+            plan += (" (shard_optimizer: each step also all-gathers the rows each rank owns, the updates on sparse "
+                     "steps and the parameters on dense ones, in whole rows of chunk_size, counted in bytes_sent: "
+                     "on a small model more than dense DDP's bytes, compression below 1)")
+        length = f"; {total_steps} steps in this run" if total_steps is not None else ""
+        return f"SCAPE: {settings}; {plan}{length}"
+
     def check_resume(self, saved: Mapping[str, Any], step: int, masks: Iterable[int]) -> None:
         """Refuse a saved SCAPE state whose mask schedule this config cannot continue; name the setting.
 
@@ -326,6 +372,18 @@ def _check_int(name: str, value: Any, minimum: int | None = None) -> int:
     if minimum is not None and value < minimum:
         raise ValueError(f"{name} must be >= {minimum}, got {value!r}")
     return int(value)
+
+
+def check_max_steps(max_steps: Any) -> int | None:
+    """``max_steps`` (a run's optimizer steps, where an adapter is told them) as an int >= 1, or ``None``.
+
+    Example:
+        >>> check_max_steps(0)
+        Traceback (most recent call last):
+        ...
+        ValueError: max_steps must be >= 1, got 0
+    """
+    return None if max_steps is None else _check_int("max_steps", max_steps, minimum=1)
 
 
 def check_optimizer_args(lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:

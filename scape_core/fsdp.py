@@ -125,6 +125,8 @@ class ScapeFSDPState(ScapeStateBase):
         replicate_group: the ranks holding the same shards (one per node).
         sparsity: shorthand for ``ScapeConfig.sparsity``.
         config: a full :class:`ScapeConfig`; other keyword arguments override its fields.
+        max_steps: the run's optimizer steps, if known (the start-of-run line warns when they end
+            before the target density; see :meth:`~scape_core.ScapeState.announce`).
 
     Example:
         >>> for block in model.layers: fully_shard(block, mesh=mesh["shard"])   # doctest: +SKIP
@@ -134,8 +136,8 @@ class ScapeFSDPState(ScapeStateBase):
     """
 
     def __init__(self, model: nn.Module, replicate_group: dist.ProcessGroup, sparsity: float | None = None, *,
-                 config: ScapeConfig | None = None, **fields: Any) -> None:
-        self._configure(sparsity, config, fields)
+                 config: ScapeConfig | None = None, max_steps: int | None = None, **fields: Any) -> None:
+        self._configure(sparsity, config, fields, max_steps)
         check_fsdp_config(self.config)
         if not isinstance(replicate_group, dist.ProcessGroup):
             raise TypeError(f"replicate_group must be a ProcessGroup (e.g. mesh.get_group('replicate')), got "
@@ -185,7 +187,6 @@ class ScapeFSDPState(ScapeStateBase):
                                "step. Freeze unused parameters (requires_grad=False) before fully_shard")
         region = g.region(self, output)
         self.record.sync(region.names)
-        self.counters["hook_calls"] += 1
         dense_bytes = output.numel() * output.element_size()
         mask = self.current_mask()
         if mask is None:  # HSDP: sum over the replicas, divided by their number
@@ -378,15 +379,17 @@ def load_fsdp_checkpoint(checkpoint_id: Any, model: nn.Module, optimizer: ScapeF
 def scape_fsdp(model: nn.Module, mesh: Any, sparsity: float | None = None, *, lr: float = 1e-3,
                betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0,
                shard_modules: Iterable[nn.Module] = (), config: ScapeConfig | None = None,
-               **fields: Any) -> tuple[nn.Module, ScapeFSDPAdamS]:
+               max_steps: int | None = None, **fields: Any) -> tuple[nn.Module, ScapeFSDPAdamS]:
     """Shard ``model`` with FSDP2 inside each replica and run SCAPE across replicas, in one call.
 
     ``mesh`` is a 2-D ``DeviceMesh`` in (replicate, shard) order, named (e.g. one row per node):
     each of ``shard_modules`` (e.g. the transformer blocks), then ``model``, is ``fully_shard``-ed
     on the inner (shard) dimension, and SCAPE exchanges the sparse gradients over the outer one.
     ``sparsity``, ``config`` and ``fields`` configure SCAPE (:class:`ScapeConfig`), the rest the
-    optimizer. Returns the sharded model (the same object, now an ``FSDPModule``) and its
-    :class:`ScapeFSDPAdamS` (``optimizer.scape`` is the :class:`ScapeFSDPState`).
+    optimizer; ``max_steps`` (the run's optimizer steps, if known) lets the start-of-run line, logged
+    on rank 0 at the first step, warn when the run ends before the target density. Returns the
+    sharded model (the same object, now an ``FSDPModule``) and its :class:`ScapeFSDPAdamS`
+    (``optimizer.scape`` is the :class:`ScapeFSDPState`).
 
     Example (one process here; on 2 nodes of 8 GPUs: ``init_device_mesh("cuda", (2, 8), ...)``,
     and ``shard_modules=model.layers`` for a transformer):
@@ -420,7 +423,7 @@ def scape_fsdp(model: nn.Module, mesh: Any, sparsity: float | None = None, *, lr
     for module in shard_modules:
         fully_shard(module, mesh=mesh[shard])
     fully_shard(model, mesh=mesh[shard])
-    state = ScapeFSDPState(model, mesh.get_group(replicate), sparsity, config=config, **fields)
+    state = ScapeFSDPState(model, mesh.get_group(replicate), sparsity, config=config, max_steps=max_steps, **fields)
     return model, ScapeFSDPAdamS(model.parameters(), state, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
 
 

@@ -27,7 +27,8 @@ def scape_state_in_adam(name: str) -> str:
     return (f"this {name} was loaded with optimizer state saved by SCAPE's AdamS ('exp_avg' without "
             "'exp_avg_sq'): the checkpoint is a SCAPE checkpoint. Resume it with SCAPE, as it was trained: Lightning "
             "Trainer(strategy='scape') or Fabric(strategy='scape') after `import lightning_scape`, Accelerate "
-            "ScapePlugin().prepare(...), plain DDP scape_core.load_checkpoint. To continue without SCAPE, load only "
+            "ScapePlugin().prepare(...), transformers accelerate_scape.trainer.ScapeTrainer(...).train("
+            "resume_from_checkpoint=...), plain DDP scape_core.load_checkpoint. To continue without SCAPE, load only "
             "the model weights (Lightning: model.load_state_dict(torch.load(path)['state_dict']), no ckpt_path) and "
             "start a new optimizer.")
 

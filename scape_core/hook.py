@@ -33,7 +33,6 @@ def scape_hook(state: ScapeState, bucket: dist.GradBucket) -> torch.futures.Futu
     buffer = bucket.buffer()
     plan = state.buckets.plan(bucket)
     state.record.sync(plan.names)
-    state.counters["hook_calls"] += 1
     mask = state.current_mask()
     dense_bytes = buffer.numel() * buffer.element_size()
     if mask is None:

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import logging
 import warnings
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
@@ -11,7 +12,7 @@ from torch import Tensor, nn
 
 from scape_core import checkpoint, exchange, inflight
 from scape_core.buckets import Buckets, StepRecord
-from scape_core.config import ScapeConfig
+from scape_core.config import ScapeConfig, check_max_steps
 from scape_core.diagnose import DDPWatch
 from scape_core.kernels import Kernels
 from scape_core.layout import FlatLayout, Shard
@@ -28,17 +29,24 @@ SINGLE_PROCESS = ("SCAPE: world size 1, nothing to communicate: SCAPE is inactiv
                   "accelerate_scape.ScapePlugin does")
 
 
-LOGGED = ("bytes_sent", "dense_bytes", "compression", "skipped_steps", "skipped_streak")  # what adapters log
+# what adapters log
+LOGGED = ("bytes_sent", "dense_bytes", "compression", "step_compression", "skipped_steps", "skipped_streak")
+log = logging.getLogger("scape_core")  # the start-of-run line (ScapeStateBase.announce)
+log.setLevel(logging.INFO)
+if not logging.getLogger().hasHandlers():  # as Lightning's logger: shown (stderr) without any logging setup
+    log.addHandler(logging.StreamHandler())
+    log.propagate = False
 
 
 def scape_metrics(stats: dict[str, float]) -> dict[str, float]:
-    """``scape/<counter>`` for the counters the adapters log (:meth:`ScapeState.stats`, cumulative
-    on this rank since the run began).
+    """``scape/<counter>`` for the counters the adapters log (:meth:`ScapeState.stats`: cumulative
+    on this rank since the run began, but ``step_compression``, the last step's).
 
     Example:
-        >>> scape_metrics(dict(bytes_sent=8, dense_bytes=80, compression=10.0, skipped_steps=0, skipped_streak=0))
-        {'scape/bytes_sent': 8.0, 'scape/dense_bytes': 80.0, 'scape/compression': 10.0, 'scape/skipped_steps': 0.0, \
-'scape/skipped_streak': 0.0}
+        >>> scape_metrics(dict(bytes_sent=8, dense_bytes=80, compression=10.0, step_compression=99.0,
+        ...                    skipped_steps=0, skipped_streak=0))
+        {'scape/bytes_sent': 8.0, 'scape/dense_bytes': 80.0, 'scape/compression': 10.0, 'scape/step_compression': \
+99.0, 'scape/skipped_steps': 0.0, 'scape/skipped_streak': 0.0}
     """
     return {f"scape/{name}": float(stats[name]) for name in LOGGED}
 
@@ -77,15 +85,21 @@ class ScapeStateBase:
     residual_buffer: Tensor | None
     window_buffer: Tensor | None
     _sparse: bool
+    max_steps: int | None  # the run's optimizer steps, if known (the start-of-run line's warning)
+    announced: bool  # the start-of-run line was said (announce)
+    last_step_bytes: tuple[int, int]  # stats()'s step_compression
 
-    def _configure(self, sparsity: float | None, config: ScapeConfig | None, fields: dict[str, Any]) -> None:
-        """``config`` (or the defaults) with ``sparsity`` and ``fields`` over it."""
+    def _configure(self, sparsity: float | None, config: ScapeConfig | None, fields: dict[str, Any],
+                   max_steps: int | None = None) -> None:
+        """``config`` (or the defaults) with ``sparsity`` and ``fields`` over it; the run's length if known."""
         if config is not None and not isinstance(config, ScapeConfig):
             raise TypeError(f"config must be a ScapeConfig, got {type(config).__name__}")
         if sparsity is not None:
             fields["sparsity"] = sparsity
         self.config = (config or ScapeConfig()).replace(**fields)
         self.schedule = self.config.schedule
+        self.max_steps = check_max_steps(max_steps)
+        self.announced = False
 
     def _build(self, params: dict[str, Tensor], local: dict[str, Tensor], dtype: torch.dtype) -> None:
         """The layout of ``local`` (each parameter's tensor on this rank, by name), the kernels, the
@@ -107,6 +121,8 @@ class ScapeStateBase:
         self.buckets = Buckets(self.layout, self.names, self.config.resolved_wire, self.world_size,
                                self.config.wire_block, dtype=dtype)
         self.record = self.new_record()
+        self.last_step_bytes = (0, 0)  # (bytes sent, dense bytes) of the last completed step
+        self._counted_before = (0, 0)  # bytes_sent and dense_bytes when that step began
         self.step = 0  # optimizer steps taken (skipped ones included)
         self._sparse = False
         self.residual_buffer: Tensor | None = None  # (rows, chunk) fp32, this rank's unsent gradient
@@ -178,12 +194,38 @@ class ScapeStateBase:
                     view(buffer, name).copy_(v.reshape(-1))
         self.skipped.fill_(int(skipped))
         self.counters.update(counters)
+        self.last_step_bytes, self._counted_before = (0, 0), (self.counters["bytes_sent"], self.counters["dense_bytes"])
 
     def count(self, values: int, nbytes: int, dense_bytes: int) -> None:
-        """Add a collective's values and bytes, and the bytes dense DDP would have sent, to the counters."""
-        self.counters["values_sent"] += values
-        self.counters["bytes_sent"] += nbytes
-        self.counters["dense_bytes"] += dense_bytes
+        """Add a hook's collective (its values and bytes, and the bytes dense DDP would have sent) to the
+        step in progress: the counters take it when the step completes (:meth:`end_step`), so an
+        interrupted step (an error between backward and the optimizer step) is not counted."""
+        pending = self.record.counts
+        pending["values_sent"] += values
+        pending["bytes_sent"] += nbytes
+        pending["dense_bytes"] += dense_bytes
+
+    def announce(self, total_steps: int | None = None, sources: Mapping[str, str] | None = None) -> None:
+        """Say once, on global rank 0, how this run communicates (:meth:`ScapeConfig.describe_run`, logged
+        to the ``scape_core`` logger), and warn when the run's optimizer steps (``total_steps``, else
+        ``max_steps``) end before the target density. Adapters call it at setup with what they know
+        (the run's length, where each setting came from); otherwise the first optimizer step does.
+
+        Example:
+            >>> state = ScapeState(ddp, sparsity=0.99, warmup_steps=20, max_steps=10)  # doctest: +SKIP
+            >>> state.announce()                                                      # doctest: +SKIP
+            SCAPE: sparsity=0.99, warmup_steps=20 (the rest default); steps 0-19 dense (warm-up), ...
+        """
+        if self.announced:
+            return
+        self.announced = True
+        total = check_max_steps(total_steps) if total_steps is not None else self.max_steps
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return
+        log.info(self.config.describe_run(total, sources))
+        warning = self.config.short_run_warning(total) if total is not None else None
+        if warning:
+            warnings.warn(warning, stacklevel=2)
 
     # ----- the optimizer step ---------------------------------------------------------
     def begin_step(self, names_with_grad: list[str]) -> tuple[Mask | None, Tensor]:
@@ -195,6 +237,8 @@ class ScapeStateBase:
         missing = [n for n in names_with_grad if n not in self.record.synced]
         if missing:
             raise RuntimeError(self.unsynchronized(missing))
+        if not self.announced:
+            self.announce()
         self.record.applied_names = names_with_grad
         finite = self.record.finite
         skip = ~torch.stack(finite).all() if finite else torch.zeros((), dtype=torch.bool, device=self.layout.device)
@@ -214,12 +258,17 @@ class ScapeStateBase:
         own = [x.finite for x in self.record.exchanges]  # this rank's own verdicts (sparse steps only)
         self.streak.count(skip, ~torch.stack(own).all() if own else torch.zeros_like(skip), self.step)
         self.stepped()
+        for name, n in self.record.counts.items():  # the step's hook calls and bytes, now that it completed
+            self.counters[name] += n
         self.record = self.new_record()
         done, self.step = self.step, self.step + 1
         self.counters["steps"] += 1
         self.selector.after_step(done, momentum, self.residual_buffer, self.window_buffer, beta1)
         if self.sharded and self.schedule.ramp_densities:
             self.shards.keep_plans(self.schedule.densities_from(self.step))
+        now = (self.counters["bytes_sent"], self.counters["dense_bytes"])  # its mask all-gather included
+        self.last_step_bytes = (now[0] - self._counted_before[0], now[1] - self._counted_before[1])
+        self._counted_before = now
         if self.step % STREAK_CHECK_EVERY == 0:
             self.streak.poll()
 
@@ -243,17 +292,24 @@ class ScapeStateBase:
         return int(self.skipped)
 
     def stats(self) -> dict[str, float]:
-        """Communication so far on this rank: steps, values/bytes sent, dense bytes, compression, skipped
-        steps and the current streak of consecutive skipped steps (``skipped_streak``). Reads the
+        """Communication so far on this rank, over the completed optimizer steps: steps, hook calls,
+        values/bytes sent, dense bytes, ``compression`` (dense bytes / bytes sent, since the run began),
+        ``step_compression`` (the same for the last step alone: about ``1 / (1 - sparsity)`` on a
+        sparse step at the target density), skipped steps and the current streak of consecutive skipped
+        steps (``skipped_streak``). ``shard_optimizer`` adds the all-gathers of the owners' rows to
+        ``bytes_sent`` (``shard_bytes``), so compression can fall below 1 on a small model. Reads the
         device: call it between steps, not inside one; it also warns of a long streak (:meth:`check_streak`).
-        At world size 1 nothing travels: every byte counter is 0 and compression 1.0.
+        At world size 1 nothing travels: every byte counter is 0 and both compressions 1.0.
         """
         c: dict[str, float] = dict(self.counters)
+        sent, dense = self.last_step_bytes
         if self.world_size == 1:  # a collective over one rank moves nothing
             c.update(values_sent=0, bytes_sent=0, mask_bytes=0, dense_bytes=0, shard_bytes=0)
+            sent = 0
         c["skipped_steps"] = self.skipped_steps
         c["skipped_streak"] = self.streak.current()
         c["compression"] = c["dense_bytes"] / c["bytes_sent"] if c["bytes_sent"] else 1.0
+        c["step_compression"] = dense / sent if sent else 1.0
         self.check_streak()
         return c
 
@@ -309,6 +365,8 @@ class ScapeState(ScapeStateBase):
         sparsity: shorthand for ``ScapeConfig.sparsity``.
         config: a full :class:`ScapeConfig`; other keyword arguments override its fields.
         process_group: the group to communicate over (default: the DDP model's).
+        max_steps: the run's optimizer steps, if known: the start-of-run line (logged on rank 0 at the
+            first step, :meth:`announce`) then warns when they end before the target density.
 
     Example:
         >>> state = ScapeState(ddp, sparsity=0.99, warmup_steps=20)
@@ -319,8 +377,9 @@ class ScapeState(ScapeStateBase):
     """
 
     def __init__(self, model: nn.Module, sparsity: float | None = None, *, config: ScapeConfig | None = None,
-                 process_group: dist.ProcessGroup | None = None, **fields: Any) -> None:
-        self._configure(sparsity, config, fields)
+                 process_group: dist.ProcessGroup | None = None, max_steps: int | None = None,
+                 **fields: Any) -> None:
+        self._configure(sparsity, config, fields, max_steps)
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("ScapeState needs torch.distributed initialized (dist.init_process_group)")
         ddp = check_ddp_model(model)

@@ -10,13 +10,17 @@ change the stall limit.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import tempfile
 import time
 import traceback
+import warnings
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, Callable
+from types import SimpleNamespace
+from typing import Any, Callable, Iterator
 
 import psutil
 import torch
@@ -49,6 +53,24 @@ def _worker(fn: Callable, rank: int, world_size: int, port: int, out: str) -> No
         torch.save({"error": traceback.format_exc()}, Path(out) / f"{rank}.pt")
     finally:
         dist.destroy_process_group()
+
+
+@contextmanager
+def said() -> Iterator[SimpleNamespace]:
+    """What SCAPE says on this rank inside the block: ``.lines``, its log lines (the ``scape_core`` logger:
+    the start-of-run line), and ``.warnings``, every warning's message."""
+    heard = SimpleNamespace(lines=[], warnings=[])
+    handler = logging.Handler()
+    handler.emit = lambda record: heard.lines.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("scape_core")
+    logger.addHandler(handler)
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            yield heard
+    finally:
+        logger.removeHandler(handler)
+        heard.warnings += [str(w.message) for w in caught]
 
 
 def failure(fn: Callable[[], Any]) -> str:

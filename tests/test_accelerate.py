@@ -213,10 +213,14 @@ def _resume_defaults(out: Path) -> dict:
 
 def _script_cli(out: Path) -> None:
     """Settings from `accelerate-scape launch`; the script's own argument beats them all."""
+    from tests.dist import said
+
     rank = int(os.environ["RANK"])
-    acc, scape, model, opt, loader, sched = _build({}, dict(mask_delay=0))
+    with said() as heard:  # the start-of-run line at prepare, with where each setting came from
+        acc, scape, model, opt, loader, sched = _build({}, dict(mask_delay=0, max_steps=8))
     _train(acc, model, opt, loader, sched, 6)
     result = _report(scape, model, opt, sched)
+    result["said"] = dict(lines=heard.lines, warnings=[w for w in heard.warnings if w.startswith("SCAPE")])
     result["env"] = {k: v for k, v in os.environ.items() if k.startswith("SCAPE_")}
     result["model"] = type(model).__name__
     # a NaN on rank 1 only: every rank skips the step, Accelerate sees it and holds the scheduler
@@ -446,11 +450,11 @@ def test_cli_config_interactive_flags_and_env(tmp_path):
     answers = "0.8\nabc\n5\n\n\nno\n\n\n\n\nyes\n\n\n\n\n\n"  # one line per ScapeConfig field (abc: asked again)
     proc = _run(_scape_cli() + ["config"], env, input=answers)
     assert "expects an int" in proc.stdout and str(path) in proc.stdout
-    assert load_config_file(path) == ScapeConfig(sparsity=0.8, warmup_steps=5, error_feedback=False,
-                                                 shard_optimizer=True).to_dict()
-    # flags: no prompts, hyphen or underscore spelling
+    # only the answers given are written: the rest take each script's own defaults (issue 34)
+    assert load_config_file(path) == dict(sparsity=0.8, warmup_steps=5, error_feedback=False, shard_optimizer=True)
+    # flags: no prompts, hyphen or underscore spelling; only the flags are written
     _run(_scape_cli() + ["config", "--sparsity", "0.9", "--warmup-steps", "3", "--mask_refresh", "2"], env)
-    assert load_config_file(path) == ScapeConfig(sparsity=0.9, warmup_steps=3, mask_refresh=2).to_dict()
+    assert load_config_file(path) == dict(sparsity=0.9, warmup_steps=3, mask_refresh=2)
     bad = _run(_scape_cli() + ["config", "--sparsity", "1.5"], env, check=False)
     assert bad.returncode != 0 and "sparsity must be in [0, 1), got 1.5" in bad.stderr
     assert load_config_file(path)["sparsity"] == 0.9  # a refused command writes nothing
@@ -459,7 +463,7 @@ def test_cli_config_interactive_flags_and_env(tmp_path):
     lines = {line.split("=")[0].strip(): line for line in out.splitlines() if "=" in line}
     assert "0.9" in lines["sparsity"] and f"(file {path})" in lines["sparsity"]
     assert "4" in lines["warmup_steps"] and "(env SCAPE_WARMUP_STEPS)" in lines["warmup_steps"]
-    assert "(default)" not in out
+    assert "(default)" in lines["ramp_steps"] and "(default)" not in lines["mask_refresh"]
     path.write_text("sparsity: 0.9\nwarmup: 3\n")
     bad = _run(_scape_cli() + ["env"], env, check=False)
     assert bad.returncode == 2 and f"{path}: unknown key 'warmup'" in bad.stderr and "Traceback" not in bad.stderr
@@ -489,6 +493,8 @@ def test_hook_runs_sparse_and_replicas_agree(main_run):
     assert torch.equal(full[0]["params"], full[1]["params"])
     assert torch.equal(full[0]["momentum"], full[1]["momentum"])
     assert "SCAPE: active on 2 processes, AdamW -> ScapeAdamS" in proc.stdout
+    # the start-of-run line once per plugin, on rank 0 only: 5 plugins of these settings in the launch
+    assert proc.stderr.count("SCAPE: warmup_steps=2 (the rest default); steps 0-1 dense (warm-up)") == 5
 
 
 def test_scheduler_rebound_and_stats_logged(main_run):
@@ -499,6 +505,9 @@ def test_scheduler_rebound_and_stats_logged(main_run):
     logged = full["logged"]
     assert [step for step, _ in logged] == list(range(1, STEPS + 1))
     assert logged[-1][1]["scape/bytes_sent"] == full["stats"]["bytes_sent"]
+    # each step's own compression beside the run's: 1 on the 2 dense steps, then a ramp step's (density 0.25)
+    assert [values["scape/step_compression"] for _, values in logged[:2]] == [1.0, 1.0]
+    assert logged[-1][1]["scape/step_compression"] > 1.3 * logged[-1][1]["scape/compression"]
     assert ranks[1]["full"]["logged"] is None
 
 
@@ -564,7 +573,12 @@ def test_accelerate_scape_launch_exports_settings(tmp_path):
                          "--score", "momentum"], env)
     cmd = _scape_cli() + ["launch", *_launch_args("eager"), "--warmup_steps", "3", str(HERE), "cli", str(tmp_path)]
     proc = _run(cmd, env)
-    assert "SCAPE settings exported to every process" in proc.stderr
+    # the launcher says what it exports and where each setting came from; defaults are not exported
+    assert ("SCAPE settings exported to every process: SCAPE_SPARSITY, SCAPE_WARMUP_STEPS, SCAPE_MASK_REFRESH, "
+            "SCAPE_SCORE (flag >") in proc.stderr
+    said = {line.split("=")[0].strip(): line for line in proc.stderr.splitlines() if line.startswith("  ")}
+    assert said["warmup_steps"].endswith("(flag)") and said["mask_refresh"].endswith("(env SCAPE_MASK_REFRESH)")
+    assert said["sparsity"].endswith("scape_config.yaml)") and said["ramp_steps"].endswith("(default)")
     assert "SCAPE is not active" not in proc.stderr  # the launcher's watch saw ScapeAdamS step
     ranks = _load(tmp_path, "cli")
     settings = ranks[0]["settings"]
@@ -573,7 +587,17 @@ def test_accelerate_scape_launch_exports_settings(tmp_path):
     assert settings["warmup_steps"] == (3, "env SCAPE_WARMUP_STEPS")  # launch flag beat the file
     assert settings["mask_refresh"] == (2, "env SCAPE_MASK_REFRESH")  # environment beat the file
     assert settings["mask_delay"] == (0, "argument")  # the script's argument beat everything
-    assert ranks[0]["env"]["SCAPE_SPARSITY"] == "0.9" and ranks[1]["env"] == ranks[0]["env"]
+    assert settings["ramp_steps"] == (150, "default")  # not exported: the script's own default would apply
+    assert ranks[0]["env"] == dict(SCAPE_SPARSITY="0.9", SCAPE_WARMUP_STEPS="3", SCAPE_MASK_REFRESH="2",
+                                   SCAPE_SCORE="momentum") and ranks[1]["env"] == ranks[0]["env"]
+    # the start-of-run line (rank 0): the settings that differ from the defaults, with their sources, and the
+    # warning that 8 steps end before the target density (3 dense steps, then the default 150-step ramp)
+    line, = ranks[0]["said"]["lines"]
+    assert line.startswith("SCAPE: warmup_steps=3 (env SCAPE_WARMUP_STEPS), mask_delay=0, mask_refresh=2 (env "
+                           "SCAPE_MASK_REFRESH), score='momentum' (env SCAPE_SCORE) (the rest default); steps 0-2 "
+                           "dense (warm-up), sparse from step 3 at density 0.25")
+    assert line.endswith("; 8 steps in this run") and ranks[1]["said"]["lines"] == []
+    assert [w.split(",")[0] for w in ranks[0]["said"]["warnings"]] == ["SCAPE: this run has 8 optimizer steps"]
     stats = ranks[0]["stats"]
     assert stats["steps"] == 6 and stats["bytes_sent"] < stats["dense_bytes"]
     assert torch.equal(ranks[0]["params"], ranks[1]["params"])
@@ -584,6 +608,34 @@ def test_accelerate_scape_launch_exports_settings(tmp_path):
         assert not r["after"]["skipped"] and r["after"]["stats"]["steps"] == 8
         assert torch.isfinite(r["after"]["params"]).all() and not torch.equal(r["after"]["params"], r["params"])
     assert torch.equal(ranks[0]["after"]["params"], ranks[1]["after"]["params"])
+
+
+def test_processes_that_each_train_alone_are_told_why(monkeypatch, capsys):
+    """One of WORLD_SIZE=2 launched processes whose Accelerator runs alone (a CPU machine without
+    ACCELERATE_USE_CPU=1): the plugin says why at prepare, and the launcher's watch does not advise
+    ScapePlugin().prepare, which the script calls (issue 34). In this process, with Accelerate's state reset."""
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    from accelerate_scape import ScapePlugin, watch
+
+    for name in [k for k in os.environ if k.startswith(("ACCELERATE_", "LOCAL_RANK"))]:
+        monkeypatch.delenv(name)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    AcceleratorState._reset_state(reset_partial_state=True)
+    try:
+        model = nn.Linear(4, 2)
+        with pytest.warns(UserWarning, match="SCAPE: inactive: this process is one of WORLD_SIZE=2 launched, but its "
+                                             "Accelerator runs alone.*ACCELERATE_USE_CPU=1"):
+            model, opt = ScapePlugin().prepare(Accelerator(), model, torch.optim.AdamW(model.parameters()))
+        watch._hooks.append(register_optimizer_step_pre_hook(watch.check_first_step))  # as the launcher's watch
+        model(torch.ones(1, 4)).sum().backward()
+        opt.step()
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+    assert not watch._hooks and watch.NOT_ACTIVE not in capsys.readouterr().err  # it ran, and said nothing
 
 
 def test_single_process_is_inactive_and_dense(tmp_path):

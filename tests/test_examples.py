@@ -181,6 +181,41 @@ def test_the_examples_share_their_options_and_defaults(monkeypatch, tmp_path):
     assert common.launcher_scape_settings(trainer_args) == {"sparsity": 0.9, "ramp_steps": 90, "wire": "auto"}
 
 
+def test_under_the_launcher_an_example_keeps_its_own_defaults(monkeypatch, tmp_path, capsys):
+    """What `accelerate-scape launch` hands the processes (issue 34): the settings set (a flag, SCAPE_*,
+    scape_config.yaml), not the defaults, so the example's own apply; on a machine without GPUs,
+    ACCELERATE_USE_CPU=1 for --multi_gpu (said), so that the processes train together."""
+    import argparse
+
+    from accelerate_scape import cli
+    from accelerate_scape.settings import write_config_file
+    from scape_core import ScapeConfig
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SCAPE_", "ACCELERATE_"))}
+    monkeypatch.setattr(os, "environ", env | {"HF_HOME": str(tmp_path)})  # what the launcher exports stays here
+    launched = []
+    monkeypatch.setattr(cli, "launch_command", lambda args: launched.append(dict(os.environ)))
+    monkeypatch.setattr(cli, "_has_device", lambda: False)
+    write_config_file(ScapeConfig(ramp_steps=0), tmp_path / "accelerate" / "scape_config.yaml", names=["ramp_steps"])
+    script = ["--multi_gpu", "--num_processes", "2", "examples/accelerate_gpt.py"]
+    assert cli.main(["launch", "--warmup_steps", "5", *script]) == 0
+    assert {k: v for k, v in launched[0].items() if k.startswith("SCAPE_")} == dict(SCAPE_WARMUP_STEPS="5",
+                                                                                   SCAPE_RAMP_STEPS="0")
+    assert launched[0]["ACCELERATE_USE_CPU"] == "1"
+    assert "ACCELERATE_USE_CPU=1 is set for this launch, so the 2 processes train together" in capsys.readouterr().err
+    # the example in that environment: its own sparsity 0.99, not ScapeConfig's 0.9; the launcher's warm-up and ramp
+    p = argparse.ArgumentParser()
+    common.add_training_args(p, out="runs/x")
+    unset = common.check_training_args(p, p.parse_args([]), fill_scape=False)
+    assert common.launcher_scape_settings(unset) == {"sparsity": 0.99, "wire": "auto"}
+    # ACCELERATE_USE_CPU set by the user stays as set; --cpu starts one process, and the launcher says so
+    os.environ["ACCELERATE_USE_CPU"] = "0"
+    assert cli.main(["launch", *script]) == 0 and launched[1]["ACCELERATE_USE_CPU"] == "0"
+    assert "ACCELERATE_USE_CPU" not in capsys.readouterr().err
+    assert cli.main(["launch", "--cpu", "--num_processes", "2", "examples/accelerate_gpt.py"]) == 0
+    assert "Accelerate starts one process here for --num_processes 2" in capsys.readouterr().err
+
+
 def test_planned_runs_put_the_dense_baseline_first():
     import argparse
 
@@ -237,6 +272,36 @@ def test_accelerate_gpt_end_to_end_with_baseline(tmp_path):
     result = check_summary(tmp_path, proc.stdout)
     check_baseline(tmp_path, proc.stdout)
     assert result["sparsity"] == 0.9 and result["warmup_steps"] == 2  # the script's flags win
+
+
+@needs_data
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the launch on a machine without GPUs")
+def test_accelerate_gpt_under_the_launcher_keeps_its_own_defaults(tmp_path):
+    """No SCAPE setting anywhere and no ACCELERATE_USE_CPU (issue 34): the launcher exports nothing and joins the 2
+    CPU processes, saying so; the example trains with its own 0.99 / 30 / 90, as its start-of-run line, its
+    warning (2 steps end in the warm-up) and its summary show."""
+    from tests.dist import free_port
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SCAPE_", "ACCELERATE_"))}
+    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", HF_HOME=str(tmp_path / "hf"))
+    text = tmp_path / "text.txt"  # a short text: tokenized in a moment
+    text.write_text(" ".join(f"word{i % 97} and line {i % 13}." for i in range(3000)))
+    cmd = [sys.executable, "-m", "accelerate_scape.cli", "launch", "--multi_gpu", "--num_processes", "2",
+           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port",
+           str(free_port()), "examples/accelerate_gpt.py", "--max-steps", "2", "--batch-size", "2", "--block-size",
+           "32", "--val-every", "2", "--val-batches", "1", "--data", str(text), "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, cwd=EXAMPLES.parent, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert "SCAPE settings exported to every process: none" in proc.stderr
+    assert "ACCELERATE_USE_CPU=1 is set for this launch, so the 2 processes train together" in proc.stderr
+    assert "SCAPE: active on 2 processes" in proc.stdout
+    line = ("SCAPE: sparsity=0.99, warmup_steps=30, ramp_steps=90 (the rest default); steps 0-29 dense (warm-up), "
+            "sparse from step 30 at density 0.25, at the target density 0.0753 (int4 wire, 1% of dense bytes) from "
+            "step 60; 2 steps in this run")
+    assert proc.stderr.count(line) == 1  # rank 0 only
+    assert "SCAPE: this run has 2 optimizer steps, but its dense warm-up lasts warmup_steps=30" in proc.stderr
+    result = json.loads((tmp_path / "summary.json").read_text())
+    assert (result["sparsity"], result["warmup_steps"], result["ramp_steps"], result["world_size"]) == (0.99, 30, 90, 2)
 
 
 @needs_data

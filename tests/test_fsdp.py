@@ -16,7 +16,7 @@ from scape_core import AdamS
 from scape_core.compat import ALL_GATHER
 from scape_core.fsdp import ScapeFSDPState, scape_fsdp
 from tests import reference
-from tests.dist import failure, run_distributed
+from tests.dist import failure, run_distributed, said
 from tests.test_resume import TinyTransformer
 
 LR, WD, BETAS, EPS = 3e-3, 0.1, (0.9, 0.95), 1e-8
@@ -411,16 +411,15 @@ def _refusals(rank: int, world: int) -> dict:
 
 def _one_replica(mesh) -> dict:
     """A (1, 4) mesh trains, warns once (rank 0) and reports no bytes, as DDP at world size 1 (issue 35, case 4)."""
-    import warnings
-    with warnings.catch_warnings(record=True) as seen:
-        warnings.simplefilter("always")
-        model, opt = _scape(mesh, sparsity=0.99, **SCHEDULE)
-    for step in range(9):
-        _loss(model, step, dist.get_rank()).backward()
-        opt.step()
-        opt.zero_grad()
+    with said() as heard:  # the start-of-run line, at the first step: on global rank 0 (every rank is replica 0)
+        model, opt = _scape(mesh, sparsity=0.99, max_steps=4, **SCHEDULE)
+        for step in range(9):
+            _loss(model, step, dist.get_rank()).backward()
+            opt.step()
+            opt.zero_grad()
     stats = opt.scape.stats()
-    return dict(warned=[str(w.message) for w in seen if "replicate group has one rank" in str(w.message)],
+    return dict(warned=[w for w in heard.warnings if "replicate group has one rank" in w], lines=heard.lines,
+                short=[w for w in heard.warnings if "SCAPE: this run has 4 optimizer steps" in w],
                 bytes=stats["bytes_sent"], compression=stats["compression"], steps=stats["steps"])
 
 
@@ -443,6 +442,11 @@ def test_unsupported_setups_are_refused_naming_the_argument(refusals):
 def test_one_replica_warns_and_reports_no_bytes(refusals):
     for rank, out in enumerate(o["one_replica"] for o in refusals):
         assert len(out["warned"]) == (rank == 0), out["warned"]
+        assert out["lines"] == ([
+            "SCAPE: sparsity=0.99, warmup_steps=4, ramp_steps=3 (the rest default); steps 0-3 dense (warm-up), sparse "
+            "from step 4 at density 0.25, at the target density 0.0753 (int4 wire, 1% of dense bytes) from step 5; 4 "
+            "steps in this run"] if rank == 0 else [])
+        assert len(out["short"]) == (rank == 0)  # max_steps=4 ends in the warm-up
         assert out["bytes"] == 0 and out["compression"] == 1.0 and out["steps"] == 9
 
 

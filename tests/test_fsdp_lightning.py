@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader
 import lightning_scape
 from lightning_scape import ScapeFabricModelParallelStrategy, ScapeModelParallelStrategy
 from scape_core.fsdp import scape_fsdp
-from tests.dist import failure, run_distributed
+from tests.dist import failure, run_distributed, said
 from tests.test_fsdp import _local, _same_across
 from tests.test_resume import TinyTransformer
 
@@ -93,13 +93,15 @@ def _final(t: L.Trainer, module: Sharded) -> dict:
 def _train_part(rank, tmp):
     module = Sharded()
     t = _trainer(tmp)
-    t.fit(module, _loader())
+    with said() as heard:
+        t.fit(module, _loader())
     opt, state = t.optimizers[0], t.strategy.scape_state
     replicate = t.strategy.device_mesh.get_group("replicate")
     out = dict(optimizer=type(opt).__name__, scheduler_bound=t.lr_scheduler_configs[0].scheduler.optimizer is opt,
                stats=state.stats(), groups=len(state.groups), global_step=t.global_step,
                identical=_same_across(_local(module.model), replicate) and _same_across(opt.momentum_buffer, replicate),
-               final=_final(t, module), logged=sorted(k for k in t.callback_metrics if k.startswith("scape/")))
+               final=_final(t, module), logged=sorted(k for k in t.callback_metrics if k.startswith("scape/")),
+               lines=heard.lines)
     # the same run by hand with scape_fsdp, on the batches Lightning's (shuffling) sampler gave this rank
     mesh = t.strategy.device_mesh
     net = TinyTransformer()
@@ -118,13 +120,14 @@ def _train_part(rank, tmp):
 
 
 def test_the_trainer_trains_as_scape_fsdp_by_hand_and_replicas_stay_identical(ranks):
-    for r in part(ranks, "train"):
+    for rank, r in enumerate(part(ranks, "train")):
+        assert [line.endswith("; 12 steps in this run") for line in r["lines"]] == ([True] if rank == 0 else [])
         assert r["optimizer"] == "ScapeFSDPAdamS" and r["scheduler_bound"]
         assert r["global_step"] == r["stats"]["steps"] == STEPS
         assert r["stats"]["hook_calls"] == STEPS * r["groups"]
         assert r["stats"]["compression"] > 2 and r["stats"]["skipped_steps"] == 0
         assert r["identical"] and r["distinct"]
-        assert {"scape/bytes_sent", "scape/compression"} <= set(r["logged"])
+        assert {"scape/bytes_sent", "scape/compression", "scape/step_compression"} <= set(r["logged"])
         got, want = r["final"], r["by_hand"]
         assert got["lr"] == want["lr"] == LR * 0.25 and got["step"] == want["step"] == STEPS
         for key in ("param", "m", "residual", "windows"):
@@ -220,9 +223,11 @@ def _fabric_part(rank, tmp):
 
     def run(start, stop, save=None, load=None):
         fabric = L.Fabric(accelerator="cpu", devices=2, num_nodes=2,
-                          strategy=ScapeFabricModelParallelStrategy(_shard, sparsity=0.99, **SCHEDULE))
+                          strategy=ScapeFabricModelParallelStrategy(_shard, sparsity=0.99, max_steps=STEPS,
+                                                                    **SCHEDULE))
         fabric.launch()
-        model = fabric.setup_module(TinyTransformer())
+        with said() as heard:
+            model = fabric.setup_module(TinyTransformer())
         opt = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=WD,
                                                         betas=(0.9, 0.95)))
         state = {"model": model, "optimizer": opt, "step": 0}
@@ -237,7 +242,8 @@ def _fabric_part(rank, tmp):
                 fabric.save(save, {**state, "step": step + 1})
         s = fabric.strategy.scape_state
         return dict(param=_local(model).clone(), residual=s.residual_buffer.clone(), step=s.step,
-                    optimizer=type(opt.optimizer).__name__, loaded_step=state["step"], stats=s.stats())
+                    optimizer=type(opt.optimizer).__name__, loaded_step=state["step"], stats=s.stats(),
+                    lines=heard.lines)
 
     path = str(Path(tmp) / "fabric_ckpt")
     whole = run(0, STEPS, save=path)
@@ -258,8 +264,12 @@ def _mesh_of_fabric():
 
 
 def test_fabric_trains_as_scape_fsdp_by_hand_and_resumes_bit_for_bit(ranks):
-    for r in part(ranks, "fabric"):
+    for rank, r in enumerate(part(ranks, "fabric")):
         whole, resumed = r["whole"], r["resumed"]
+        assert whole["lines"] == ([
+            "SCAPE: sparsity=0.99, warmup_steps=4, ramp_steps=3 (the rest default); steps 0-3 dense (warm-up), sparse "
+            "from step 4 at density 0.25, at the target density 0.0753 (int4 wire, 1% of dense bytes) from step 5; 12 "
+            "steps in this run"] if rank == 0 else [])
         assert whole["optimizer"] == "ScapeFSDPAdamS" and whole["step"] == resumed["step"] == STEPS
         assert resumed["loaded_step"] == EPOCH and whole["stats"]["compression"] > 2
         assert torch.equal(whole["param"], r["by_hand"])

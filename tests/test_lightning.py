@@ -21,7 +21,7 @@ from torch.utils.data import DataLoader, TensorDataset
 import lightning_scape
 from lightning_scape import ScapeFabricStrategy, ScapeStrategy
 from scape_core import AdamS
-from tests.dist import failure, run_distributed
+from tests.dist import failure, run_distributed, said
 from tests.test_resume import CONFIGS as RESUME_CONFIGS
 from tests.test_resume import SCHEDULE as RESUME_SCHEDULE
 from tests.test_resume import TinyTransformer
@@ -180,7 +180,7 @@ def test_optimizer_converted_with_groups_and_scheduler_still_decays(ranks):
 
 def test_metrics_reach_loggers_and_progress_bar(ranks):
     trained = part(ranks, "train")
-    names = {f"scape/{k}" for k in ("bytes_sent", "dense_bytes", "compression", "skipped_steps")}
+    names = {f"scape/{k}" for k in ("bytes_sent", "dense_bytes", "compression", "step_compression", "skipped_steps")}
     r = trained[0]
     # the bar shows text (compression as 2.1x, bytes in MB); the loggers keep the raw numbers
     assert r["progress_bar"]["scape/compression"] == f"{r['stats']['compression']:.1f}x"
@@ -191,6 +191,9 @@ def test_metrics_reach_loggers_and_progress_bar(ranks):
     assert last["scape/bytes_sent"] == r["stats"]["bytes_sent"]
     assert last["scape/compression"] == pytest.approx(r["stats"]["compression"])
     assert last["scape/skipped_steps"] == 0
+    # the last step's own compression (a ramp step at density 0.25: 3.9x) beside the run's (2 dense steps in it: 2.9x)
+    first = [m for m in r["logged"] if names <= set(m)][0]
+    assert first["scape/step_compression"] == 1.0 and last["scape/step_compression"] > 1.3 * last["scape/compression"]
 
 
 # ----------------------------------------------------------------------------------------
@@ -356,11 +359,13 @@ def _fabric_part(rank, tmp, sharded=False):
 
     out["second_model"] = failure(lambda: fabric.setup(Regression().net))
     # the scheduler is built on the user's optimizer and not given to setup: it still drives training
-    fabric = launch(strategy=ScapeFabricStrategy(sparsity=0.9, warmup_steps=2))
+    fabric = launch(strategy=ScapeFabricStrategy(sparsity=0.9, warmup_steps=2, max_steps=3))
     net = Regression().net
     mine = torch.optim.AdamW(net.parameters(), lr=1e-2)
     scheduler = torch.optim.lr_scheduler.StepLR(mine, step_size=1, gamma=0.5)
-    model, opt = fabric.setup(net, mine)
+    with said() as heard:  # the start-of-run line, at setup, with the run's length Fabric was told
+        model, opt = fabric.setup(net, mine)
+    out["said"] = dict(lines=heard.lines, warnings=[w for w in heard.warnings if w.startswith("SCAPE")])
     train(fabric, model, opt, scheduler, range(3))
     out["unpassed_scheduler"] = dict(lr=opt.param_groups[0]["lr"], scheduled=scheduler.get_last_lr()[0],
                                      same=opt.optimizer is mine, kind=type(mine).__name__)
@@ -375,7 +380,12 @@ def _fabric_part(rank, tmp, sharded=False):
 
 def test_fabric_setup_accumulation_save_load(ranks):
     results = part(ranks, "fabric")
-    for r in results:
+    for rank, r in enumerate(results):
+        assert r["said"]["lines"] == (["SCAPE: warmup_steps=2 (the rest default); steps 0-1 dense (warm-up), sparse "
+                                       "from step 2 at density 0.25, at the target density 0.1 (native wire, 10% of "
+                                       "dense bytes) from step 52; 3 steps in this run"] if rank == 0 else [])
+        assert [w.split(",")[0] for w in r["said"]["warnings"]] == (
+            ["SCAPE: this run has 3 optimizer steps"] if rank == 0 else [])
         assert r["optimizer"] == "ScapeAdamS" and r["scheduler_bound"]
         assert r["stats"]["steps"] == 8 and r["stats"]["hook_calls"] >= 8
         assert r["stats"]["bytes_sent"] < r["stats"]["dense_bytes"]
@@ -414,12 +424,12 @@ class HalfUsed(Regression):
 def _misuse_part(rank, tmp):
     out = {}
     out["unused_layer"] = failure(lambda: trainer(sparse(), tmp, max_steps=2).fit(HalfUsed(), loader()))
-    # a run that ends inside the warm-up: said at setup, on rank 0
+    # a run that ends inside the warm-up: said at setup, on rank 0, with the start-of-run line
     t = trainer(ScapeStrategy(sparsity=0.99, ramp_steps=1000), tmp, max_steps=8, max_epochs=-1)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with said() as heard:
         t.fit(Regression(), loader())
-    out["short_run"] = [str(w.message) for w in caught if "SCAPE: this run" in str(w.message)]
+    out["short_run"] = [w for w in heard.warnings if "SCAPE: this run" in w]
+    out["start_line"] = heard.lines
     # its checkpoint resumed with the stock DDP strategy
     path = str(Path(tmp) / "scape.ckpt")
     t.save_checkpoint(path)
@@ -437,6 +447,10 @@ def test_misuse_in_lightning_is_named(ranks):
             "SCAPE: this run has 8 optimizer steps, but its dense warm-up lasts warmup_steps=50: every step is dense, "
             "no communication is saved. Lower warmup_steps / ramp_steps (or train longer) to train at the sparsity "
             "you set."] if rank == 0 else [])
+        assert r["start_line"] == ([
+            "SCAPE: sparsity=0.99, ramp_steps=1000 (the rest default); steps 0-49 dense (warm-up), sparse from step "
+            "50 at density 0.25, at the target density 0.0753 (int4 wire, 1% of dense bytes) from step 384; 8 steps "
+            "in this run"] if rank == 0 else [])
         assert r["stock_resume"].startswith("RuntimeError: this AdamW was loaded with optimizer state saved by "
                                             "SCAPE's AdamS")
         assert "the checkpoint is a SCAPE checkpoint" in r["stock_resume"]

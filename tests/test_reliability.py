@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from scape_core import ScapeAdamS, ScapeState, gather_state_dict, load_checkpoint, save_checkpoint, scape_hook
-from tests.dist import failure, run_distributed
+from tests.dist import failure, run_distributed, said
 from tests.test_core_ddp import batch, conservation_error, loss_fn, make_model, scape_setup, snapshot, train
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -424,10 +424,25 @@ def _save_on_rank0_only(rank, tmp):
     return error, elapsed, (Path(tmp) / "ckpt.pt").exists()
 
 
+def _counted_steps(rank):
+    """A plain DDP loop (issue 34): the start-of-run line at the first step, each step's compression beside the
+    run's, and a step interrupted between backward and ``opt.step()`` (an error in the loop) left uncounted."""
+    model = make_model()
+    with said() as heard:
+        ddp, state, opt = scape_setup(model, 0.9, max_steps=5)
+        train(ddp, opt, rank, 2)
+        dense = state.stats()
+        train(ddp, opt, rank, 3, start=2)
+    before = state.stats()
+    loss_fn(ddp, *batch(5, rank)).backward()  # then the loop raises: no opt.step()
+    return dict(lines=heard.lines, warnings=heard.warnings, dense=dense, before=before, after=state.stats(),
+                pending=state.record.counts["hook_calls"])
+
+
 def _misuse_launch(rank, world, tmp):
     return dict(unsynchronized=_unsynchronized_steps(rank), schedule=_changed_schedule(rank),
                 optimizer=_optimizer_misuse(rank), no_backward=_step_without_backward(rank), clipping=_clipping(rank),
-                missing_folder=_save_into_a_missing_folder(rank, tmp),
+                missing_folder=_save_into_a_missing_folder(rank, tmp), counted=_counted_steps(rank),
                 save_rank0=_save_on_rank0_only(rank, tmp))
 
 
@@ -490,6 +505,7 @@ def test_scape_optimizer_state_in_adamw_says_it_is_a_scape_checkpoint(misuse):
     message = misuse[0]["optimizer"]["adamw_resumed"]
     assert message.startswith("RuntimeError: this AdamW was loaded with optimizer state saved by SCAPE's AdamS")
     assert "the checkpoint is a SCAPE checkpoint" in message and "strategy='scape'" in message
+    assert "ScapeTrainer" in message and "ScapePlugin().prepare" in message
     assert "KeyError" not in message
 
 
@@ -523,6 +539,31 @@ def test_save_checkpoint_into_a_missing_folder_fails_on_every_rank_and_training_
     assert errors[0] == errors[1] and errors[0].startswith("ValueError: save_checkpoint: the folder "), errors
     assert "does not exist" in errors[0]
     assert [r["missing_folder"][1] for r in misuse] == [4, 4]
+
+
+def test_the_start_of_run_line_is_said_once_on_rank_0_at_the_first_step(misuse):
+    for rank, r in enumerate(misuse):
+        counted = r["counted"]
+        assert counted["lines"] == ([
+            "SCAPE: warmup_steps=3, ramp_steps=0 (the rest default); steps 0-2 dense (warm-up), sparse "
+            "from step 3, at the target density 0.1 (native wire, 10% of dense bytes) from step 3; 5 steps in this "
+            "run"] if rank == 0 else [])
+        assert not [w for w in counted["warnings"] if "SCAPE: this run" in w]  # 5 steps reach the target at 3
+
+
+def test_stats_carry_the_last_steps_compression_beside_the_runs(misuse):
+    for r in misuse:
+        dense, sparse = r["counted"]["dense"], r["counted"]["before"]
+        assert dense["step_compression"] == dense["compression"] == 1.0  # the warm-up sends everything
+        # a sparse step at density 0.1 sends about a tenth; the run's compression still carries the warm-up
+        assert 8 < sparse["step_compression"] <= 10 and 1 < sparse["compression"] < sparse["step_compression"]
+
+
+def test_an_interrupted_step_is_not_counted(misuse):
+    for r in misuse:
+        counted = r["counted"]
+        assert counted["pending"] > 0  # its hooks ran
+        assert counted["after"] == counted["before"]  # stats(): completed steps only
 
 
 def test_numbers_of_any_numeric_type_are_accepted():

@@ -22,7 +22,7 @@ from tests.dist import free_port, run_distributed
 HERE = Path(__file__).resolve()
 STEPS = 8  # optimizer steps of the uninterrupted run; checkpoints every STEPS // 2
 LR = 1e-2
-SPARSE = dict(sparsity=0.9, warmup_steps=2, ramp_steps=0, wire="native")  # native: resume is exact (see docstring)
+SPARSE = dict(sparsity=0.9, warmup_steps=2, ramp_steps=0, wire="native")
 needs_trl = pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="pip install trl")
 
 
@@ -97,13 +97,17 @@ def _trainings(rank: int, world: int, out: str) -> dict:
             if state.global_step == SPARSE["warmup_steps"]:
                 self.stats = trainer.scape.stats()
 
+    from tests.dist import said
+
     out, result = Path(out), {}
     # 1. uninterrupted, checkpoints at STEPS // 2 and STEPS
     steps = Steps()
     trainer = ScapeTrainer(model=tiny_gpt2(), args=training_args(out / "full"), train_dataset=Tokens(),
                            callbacks=[steps], scape=SPARSE)
-    trainer.train()
-    result["full"] = report(trainer) | {"warmup_stats": steps.stats, "steps_run": steps.run}
+    with said() as heard:
+        trainer.train()
+    result["full"] = report(trainer) | {"warmup_stats": steps.stats, "steps_run": steps.run, "lines": heard.lines,
+                                        "warnings": [w for w in heard.warnings if w.startswith("SCAPE")]}
     result["full"]["files"] = sorted(os.listdir(out / "full" / f"checkpoint-{STEPS // 2}"))
     # 2. a fresh Trainer resumes the first checkpoint
     steps = Steps()
@@ -122,12 +126,15 @@ def _trainings(rank: int, world: int, out: str) -> dict:
                              sharded=trainer.scape.state.sharded,
                              saved=sorted(v["exp_avg"].shape for v in saved.values()),
                              shapes=sorted(p.shape for p in trainer.model.parameters()))
-    # 4. gradient accumulation (DDP no_sync on the first micro-batch of each step), evaluated every 2 steps
+    # 4. gradient accumulation (DDP no_sync on the first micro-batch of each step), evaluated every 2 steps;
+    # a ramp longer than the run
     args = training_args(out / "accumulate", max_steps=4, save_strategy="no", gradient_accumulation_steps=2,
                          eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=4)
-    trainer = ScapeTrainer(model=tiny_gpt2(), args=args, train_dataset=Tokens(), eval_dataset=Tokens(8), scape=SPARSE)
-    trainer.train()
-    result["accumulate"] = report(trainer)
+    trainer = ScapeTrainer(model=tiny_gpt2(), args=args, train_dataset=Tokens(), eval_dataset=Tokens(8),
+                           scape=dict(SPARSE, ramp_steps=30))
+    with said() as heard:
+        trainer.train()
+    result["accumulate"] = report(trainer) | {"warnings": [w for w in heard.warnings if w.startswith("SCAPE")]}
     if importlib.util.find_spec("trl") is not None:
         result["sft"] = _sft(out / "sft")
     return result
@@ -193,11 +200,37 @@ def test_replicas_identical_and_sparse_bytes(ranks):
 def test_scape_stats_reach_the_trainer_logs(ranks):
     full = ranks[0]["full"]
     logged = full["logged_scape"]
-    assert len(logged) == STEPS and set(logged[-1]) == {"scape/compression", "scape/bytes_sent",
-                                                        "scape/dense_bytes", "scape/skipped_steps",
-                                                        "scape/skipped_streak"}
+    assert len(logged) == STEPS and set(logged[-1]) == {"scape/compression", "scape/step_compression",
+                                                        "scape/bytes_sent", "scape/dense_bytes",
+                                                        "scape/skipped_steps", "scape/skipped_streak"}
     assert logged[-1]["scape/bytes_sent"] == full["stats"]["bytes_sent"]
     assert logged[0]["scape/compression"] == 1.0 and logged[-1]["scape/compression"] > 2
+    # the last step's own share (a sparse step at density 0.1: about 10x) beside the run's (2 dense steps in it)
+    assert logged[0]["scape/step_compression"] == 1.0 and logged[-1]["scape/step_compression"] > 8
+
+
+def test_the_start_of_run_line_and_the_short_run_warning(ranks):
+    for rank, r in enumerate(ranks):
+        assert r["full"]["lines"] == ([
+            "SCAPE: warmup_steps=2, ramp_steps=0, wire='native' (the rest default); steps 0-1 dense (warm-up), sparse "
+            f"from step 2, at the target density 0.1 (native wire, 10% of dense bytes) from step 2; {STEPS} steps in "
+            "this run"] if rank == 0 else [])
+        assert r["full"]["warnings"] == []  # 8 steps reach the target at step 2
+        # the Trainer's max_steps=4 ends inside the 30-step ramp: said on rank 0
+        assert [w.split(",")[0] for w in r["accumulate"]["warnings"]] == (
+            ["SCAPE: this run has 4 optimizer steps"] if rank == 0 else [])
+
+
+def test_ddp_find_unused_parameters_is_off_unless_chosen(tmp_path):
+    from accelerate_scape.trainer import ScapeTrainer
+
+    def chosen(value):
+        args = training_args(tmp_path, ddp_find_unused_parameters=value)
+        return ScapeTrainer(model=tiny_gpt2(), args=args, train_dataset=Tokens()).accelerator.ddp_handler
+
+    # transformers' own default (None) is True for a PreTrainedModel: a graph search and a warning every run
+    assert chosen(None).find_unused_parameters is False
+    assert chosen(True).find_unused_parameters is True
 
 
 def test_scape_keys_are_on_training_logs_only(ranks):
@@ -285,6 +318,8 @@ def test_accelerate_scape_launch_configures_the_trainer(tmp_path):
     assert ranks[0]["optimizer"] == "ScapeAdamS" and ranks[0]["stats"]["bytes_sent"] < ranks[0]["stats"]["dense_bytes"]
     assert torch.equal(ranks[0]["params"], ranks[1]["params"])
     assert NOT_ACTIVE not in proc.stdout + proc.stderr
+    # ddp_find_unused_parameters=None: SCAPE's Trainer turns DDP's search off, so DDP has nothing to warn of
+    assert "find_unused_parameters=True was specified" not in proc.stderr
 
 
 def test_accelerate_scape_launch_says_once_when_scape_is_off(tmp_path):
@@ -294,6 +329,7 @@ def test_accelerate_scape_launch_says_once_when_scape_is_off(tmp_path):
     said = (proc.stdout + proc.stderr).count(NOT_ACTIVE)
     assert said == 1, proc.stderr[-3000:]  # once, on rank 0, at the first optimizer step
     assert "AdamW on 2 process(es)" in proc.stderr and "ScapeTrainer" in proc.stderr
+    assert "find_unused_parameters=True was specified" in proc.stderr  # the stock Trainer's DDP warns (see above)
 
 
 def _script(mode: str, out: Path) -> None:
