@@ -251,7 +251,7 @@ class ScapeConfig:
         """The fields whose value differs from the default, in declaration order.
 
         Example:
-            >>> ScapeConfig(sparsity=0.99, warmup_steps=50).changed()
+            >>> ScapeConfig(sparsity=0.9, warmup_steps=50).changed()
             ['sparsity']
         """
         return [f.name for f in dataclasses.fields(self) if getattr(self, f.name) != f.default]
@@ -262,13 +262,14 @@ class ScapeConfig:
         begin at, the step the target density is reached at, and ``total_steps`` if known.
 
         Example:
-            >>> print(ScapeConfig(sparsity=0.99, warmup_steps=30, ramp_steps=90).describe_run(300))
-            SCAPE: sparsity=0.99, warmup_steps=30, ramp_steps=90 (the rest default); steps 0-29 dense (warm-up), \
+            >>> print(ScapeConfig(warmup_steps=30, ramp_steps=90).describe_run(300))
+            SCAPE: warmup_steps=30, ramp_steps=90 (the rest default); steps 0-29 dense (warm-up), \
 sparse from step 30 at density 0.25, at the target density 0.0753 (int4 wire, 1% of dense bytes) from step 60; \
 300 steps in this run
-            >>> print(ScapeConfig(warmup_steps=0, ramp_steps=0).describe_run(sources={"warmup_steps": "env X"}))
-            SCAPE: warmup_steps=0 (env X), ramp_steps=0 (the rest default); sparse from step 0, at the target \
-density 0.1 (native wire, 10% of dense bytes) from step 0
+            >>> config = ScapeConfig(sparsity=0.9, warmup_steps=0, ramp_steps=0)
+            >>> print(config.describe_run(sources={"warmup_steps": "env X"}))
+            SCAPE: sparsity=0.9, warmup_steps=0 (env X), ramp_steps=0 (the rest default); sparse from step 0, at the \
+target density 0.1 (native wire, 10% of dense bytes) from step 0
         """
         sources = sources or {}
         shown = [f"{n}={getattr(self, n)!r}" + (f" ({sources[n]})" if sources.get(n, "argument") != "argument"

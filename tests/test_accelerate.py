@@ -494,7 +494,7 @@ def test_hook_runs_sparse_and_replicas_agree(main_run):
     assert torch.equal(full[0]["momentum"], full[1]["momentum"])
     assert "SCAPE: active on 2 processes, AdamW -> ScapeAdamS" in proc.stdout
     # the start-of-run line once per plugin, on rank 0 only: 5 plugins of these settings in the launch
-    assert proc.stderr.count("SCAPE: warmup_steps=2 (the rest default); steps 0-1 dense (warm-up)") == 5
+    assert proc.stderr.count("SCAPE: sparsity=0.9, warmup_steps=2 (the rest default); steps 0-1 dense (warm-up)") == 5
 
 
 def test_scheduler_rebound_and_stats_logged(main_run):
@@ -593,9 +593,9 @@ def test_accelerate_scape_launch_exports_settings(tmp_path):
     # the start-of-run line (rank 0): the settings that differ from the defaults, with their sources, and the
     # warning that 8 steps end before the target density (3 dense steps, then the default 150-step ramp)
     line, = ranks[0]["said"]["lines"]
-    assert line.startswith("SCAPE: warmup_steps=3 (env SCAPE_WARMUP_STEPS), mask_delay=0, mask_refresh=2 (env "
-                           "SCAPE_MASK_REFRESH), score='momentum' (env SCAPE_SCORE) (the rest default); steps 0-2 "
-                           "dense (warm-up), sparse from step 3 at density 0.25")
+    assert line.startswith("SCAPE: sparsity=0.9 (env SCAPE_SPARSITY), warmup_steps=3 (env SCAPE_WARMUP_STEPS), "
+                           "mask_delay=0, mask_refresh=2 (env SCAPE_MASK_REFRESH), score='momentum' (env SCAPE_SCORE) "
+                           "(the rest default); steps 0-2 dense (warm-up), sparse from step 3 at density 0.25")
     assert line.endswith("; 8 steps in this run") and ranks[1]["said"]["lines"] == []
     assert [w.split(",")[0] for w in ranks[0]["said"]["warnings"]] == ["SCAPE: this run has 8 optimizer steps"]
     stats = ranks[0]["stats"]

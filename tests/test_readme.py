@@ -1,11 +1,13 @@
-"""Every Python block README.md marks as runnable runs as written, on 2 gloo processes.
+"""README.md as a new user meets it: every Python block runs as written, every file it names exists.
 
-README marks a block by the line ``<!-- runnable -->`` right before its ```` ```python ```` fence,
-or says why not with ``<!-- not runnable: <reason> -->``; every Python block carries one of the
-two. A runnable block runs as a script under ``torchrun --standalone --nproc_per_node 2`` (CPU,
-gloo, one thread per process, ``ACCELERATE_USE_CPU=1``) in an empty folder. What a block imports
-from ``my_project`` (its comment says "yours") is the user's own model and data: here the tiny
-ones in ``MY_PROJECT`` below.
+README marks a block by the line ``<!-- runnable -->`` (or ``<!-- runnable nproc=4 -->``) right
+before its ```` ```python ```` fence, or says why not with ``<!-- not runnable: <reason> -->``;
+every Python block carries one of them. A runnable block runs as a script under ``torchrun
+--standalone --nproc_per_node 2`` (or the block's count; CPU, gloo, one thread per process,
+``ACCELERATE_USE_CPU=1``) in an empty folder. What a block imports from ``my_project`` (its
+comment says "yours") is the user's own model and data: here the tiny ones in ``MY_PROJECT``.
+The files README and the pages under ``docs/`` name (links, and paths in code spans and shell
+blocks) must exist.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-RUNNABLE, NOT_RUNNABLE = "<!-- runnable -->", "<!-- not runnable:"
+RUNNABLE, NOT_RUNNABLE = re.compile(r"<!-- runnable(?: nproc=(\d))? -->"), "<!-- not runnable:"
 
 MY_PROJECT = '''
 """The user's project, as README's snippets import it: a tiny model and data (tests/test_readme.py)."""
@@ -46,6 +48,39 @@ model = _net()
 loader = DataLoader(_data(), batch_size=4)
 batches = list(loader)  # 60 steps of 4 samples
 loss_fn = nn.functional.mse_loss
+
+
+class Blocks(nn.Module):
+    """A model of blocks for FSDP2 (each block sharded on its own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = nn.ModuleList([nn.Linear(8, 64), nn.Linear(64, 64), nn.Linear(64, 1)])
+
+    def forward(self, x):
+        for block in self.blocks[:-1]:
+            x = torch.tanh(block(x))
+        return self.blocks[-1](x)
+
+
+blocks_model = Blocks()
+
+
+def _hf():
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=2)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 64, (160, 16), generator=g)
+    return transformers.GPT2LMHeadModel(config), [{"input_ids": x, "labels": x} for x in ids]
+
+
+def __getattr__(name):  # the transformers model and data, built only for the block that imports them
+    if name in ("hf_model", "hf_dataset"):
+        return _hf()[name == "hf_dataset"]
+    raise AttributeError(name)
 
 
 class MyLightningModule(L.LightningModule):
@@ -80,23 +115,45 @@ def python_blocks(text: str) -> list[tuple[str, str, str]]:
 
 
 BLOCKS = python_blocks((ROOT / "README.md").read_text(encoding="utf-8"))
-RUNS = [(heading, code) for heading, marker, code in BLOCKS if marker == RUNNABLE]
+RUNS = [(heading, int(m.group(1) or 2), code) for heading, marker, code in BLOCKS if (m := RUNNABLE.fullmatch(marker))]
 
 
 def test_every_python_block_is_marked():
-    unmarked = [heading for heading, marker, _ in BLOCKS if marker != RUNNABLE and not marker.startswith(NOT_RUNNABLE)]
-    assert not unmarked, f"README: mark these Python blocks {RUNNABLE} or {NOT_RUNNABLE} why -->: {unmarked}"
+    unmarked = [heading for heading, marker, _ in BLOCKS
+                if not RUNNABLE.fullmatch(marker) and not marker.startswith(NOT_RUNNABLE)]
+    assert not unmarked, f"README: mark these Python blocks <!-- runnable --> or {NOT_RUNNABLE} why -->: {unmarked}"
     assert len(RUNS) >= 4  # Trainer, Fabric, Accelerate, plain DDP
 
 
-@pytest.mark.parametrize("code", [code for _, code in RUNS],
-                         ids=[re.sub(r"\W+", "-", heading).strip("-").lower() for heading, _ in RUNS])
-def test_readme_block_runs_as_written(code, tmp_path):
+@pytest.mark.parametrize("nproc,code", [(n, code) for _, n, code in RUNS],
+                         ids=[re.sub(r"\W+", "-", heading).strip("-").lower() for heading, _, _ in RUNS])
+def test_readme_block_runs_as_written(nproc, code, tmp_path):
     (tmp_path / "my_project.py").write_text(MY_PROJECT)
     (tmp_path / "snippet.py").write_text(code)
     env = dict(os.environ, OMP_NUM_THREADS="1", ACCELERATE_USE_CPU="1", PYTHONUNBUFFERED="1",
                PYTHONPATH=os.pathsep.join([str(tmp_path), str(ROOT), os.environ.get("PYTHONPATH", "")]))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "snippet.py"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc), "snippet.py"]
     proc = subprocess.run(cmd, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, \
         f"README block failed ({proc.returncode}):\n{code}\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+
+
+PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+# a repository path: a known top-level folder, then a file with an extension (links, code spans, shell lines)
+FOLDERS = "scape_core|lightning_scape|accelerate_scape|examples|benchmarks|tests|docs"
+PATH = re.compile(rf"(?<![\w/.-])((?:\.\./)?(?:{FOLDERS})/[\w./-]*\.\w+)")
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
+
+
+def named_files(page: Path) -> set[str]:
+    """The repository files ``page`` names: its relative links and the paths in its text."""
+    text = page.read_text(encoding="utf-8")
+    links = {target for target in LINK.findall(text) if "://" not in target}
+    return links | set(PATH.findall(text))
+
+
+@pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
+def test_pages_name_no_missing_file(page):
+    missing = sorted(name for name in named_files(page)
+                     if not (page.parent / name).exists() and not (ROOT / name.removeprefix("../")).exists())
+    assert not missing, f"{page.relative_to(ROOT)} names files that do not exist: {missing}"

@@ -212,7 +212,8 @@ def test_scape_stats_reach_the_trainer_logs(ranks):
 def test_the_start_of_run_line_and_the_short_run_warning(ranks):
     for rank, r in enumerate(ranks):
         assert r["full"]["lines"] == ([
-            "SCAPE: warmup_steps=2, ramp_steps=0, wire='native' (the rest default); steps 0-1 dense (warm-up), sparse "
+            "SCAPE: sparsity=0.9, warmup_steps=2, ramp_steps=0, wire='native' (the rest default); steps 0-1 dense "
+            "(warm-up), sparse "
             f"from step 2, at the target density 0.1 (native wire, 10% of dense bytes) from step 2; {STEPS} steps in "
             "this run"] if rank == 0 else [])
         assert r["full"]["warnings"] == []  # 8 steps reach the target at step 2
@@ -239,7 +240,7 @@ def test_scape_keys_are_on_training_logs_only(ranks):
     scape = [{k for k in keys if k.startswith("scape/")} for keys in logs]
     training = [s for keys, s in zip(logs, scape) if "loss" in keys]
     other = [(keys, s) for keys, s in zip(logs, scape) if "loss" not in keys]
-    assert len(training) == 4 and all(len(s) == 5 for s in training), logs
+    assert len(training) == 4 and all(len(s) == 6 for s in training), logs
     assert sum("eval_loss" in keys for keys, _ in other) == 2, logs  # at steps 2 and 4
     assert any("train_runtime" in keys for keys, _ in other), logs  # the final metrics
     assert not any(s for _, s in other), other
