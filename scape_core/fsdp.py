@@ -349,6 +349,7 @@ def load_fsdp_checkpoint(checkpoint_id: Any, model: nn.Module, optimizer: ScapeF
         raise ValueError(f"{str(checkpoint_id)!r} is a file, not an FSDP2 checkpoint folder (DCP): a save_checkpoint "
                          "file of the DDP path loads with scape_core.load_checkpoint(path, state, ...)")
     entries: dict[str, Any] = {model_key: model.state_dict()}
+    _check_same_model(checkpoint_id, model_key, entries[model_key])  # before anything loads, alike on every rank
     if optimizer is not None:
         key = f"rank{dist.get_rank()}"
         nest = (lambda entry: {optimizer_key: entry}) if optimizer_key else (lambda entry: entry)  # noqa: E731
@@ -374,6 +375,20 @@ def load_fsdp_checkpoint(checkpoint_id: Any, model: nn.Module, optimizer: ScapeF
         for group, saved in zip(optimizer.param_groups, json.loads(mine[key]["optimizer"]["groups"])):
             group.update(saved, betas=tuple(saved["betas"]))
         state.load_state_dict(scape)
+
+
+def _check_same_model(checkpoint_id: Any, model_key: str, state_dict: dict[str, Any]) -> None:
+    """Refuse a DCP folder saved for another model (its metadata's parameter names differ), as the DDP path does."""
+    if not isinstance(checkpoint_id, (str, os.PathLike)) or not os.path.isdir(checkpoint_id):
+        return  # a storage reader of the user's own: DCP's load reports what is missing
+    import torch.distributed.checkpoint as dcp
+    prefix = f"{model_key}."
+    saved = {k[len(prefix):] for k in dcp.FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata
+             if k.startswith(prefix)}
+    diff = sorted(saved ^ set(state_dict))
+    if diff:
+        raise ValueError(f"FSDP2 checkpoint {str(checkpoint_id)!r} was saved for another model: parameters differ "
+                         f"at {diff[:5]}")
 
 
 def scape_fsdp(model: nn.Module, mesh: Any, sparsity: float | None = None, *, lr: float = 1e-3,

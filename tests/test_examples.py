@@ -295,7 +295,7 @@ def test_accelerate_gpt_under_the_launcher_keeps_its_own_defaults(tmp_path):
     assert "SCAPE settings exported to every process: none" in proc.stderr
     assert "ACCELERATE_USE_CPU=1 is set for this launch, so the 2 processes train together" in proc.stderr
     assert "SCAPE: active on 2 processes" in proc.stdout
-    line = ("SCAPE: sparsity=0.99, warmup_steps=30, ramp_steps=90 (the rest default); steps 0-29 dense (warm-up), "
+    line = ("SCAPE: warmup_steps=30, ramp_steps=90 (the rest default); steps 0-29 dense (warm-up), "
             "sparse from step 30 at density 0.25, at the target density 0.0753 (int4 wire, 1% of dense bytes) from "
             "step 60; 2 steps in this run")
     assert proc.stderr.count(line) == 1  # rank 0 only

@@ -443,7 +443,7 @@ def test_one_replica_warns_and_reports_no_bytes(refusals):
     for rank, out in enumerate(o["one_replica"] for o in refusals):
         assert len(out["warned"]) == (rank == 0), out["warned"]
         assert out["lines"] == ([
-            "SCAPE: sparsity=0.99, warmup_steps=4, ramp_steps=3 (the rest default); steps 0-3 dense (warm-up), sparse "
+            "SCAPE: warmup_steps=4, ramp_steps=3 (the rest default); steps 0-3 dense (warm-up), sparse "
             "from step 4 at density 0.25, at the target density 0.0753 (int4 wire, 1% of dense bytes) from step 5; 4 "
             "steps in this run"] if rank == 0 else [])
         assert len(out["short"]) == (rank == 0)  # max_steps=4 ends in the warm-up
@@ -550,3 +550,19 @@ def test_compiled_kernels_run_the_compiled_passes_on_fsdp2_and_train_as_eager():
         # AdamS rounds in another order, and AdamS turns that into +-lr moves where a gradient is near 0
         for key, atol in (("param", 1e-4), ("m", 1e-6), ("residual", 1e-6)):
             torch.testing.assert_close(compiled[key], eager[key], rtol=1e-4, atol=atol, msg=lambda m, key=key: key)
+
+
+def test_a_checkpoint_of_another_model_is_refused_before_anything_loads(tmp_path):
+    """Issue 35, case 5: an FSDP2 folder loaded into a model with one more layer names the parameters that differ."""
+    import torch.distributed.checkpoint as dcp
+
+    from scape_core import load_fsdp_checkpoint
+
+    saved = torch.nn.Sequential(torch.nn.Linear(4, 4))
+    dcp.save({"model": saved.state_dict()}, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    bigger = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    before = [p.detach().clone() for p in bigger.parameters()]
+    with pytest.raises(ValueError, match=r"saved for another model: parameters differ at \['1.bias', '1.weight'\]"):
+        load_fsdp_checkpoint(str(tmp_path / "ckpt"), bigger, None)
+    assert all(torch.equal(a, b) for a, b in zip(before, bigger.parameters()))
+    load_fsdp_checkpoint(str(tmp_path / "ckpt"), saved, None)  # the same model loads

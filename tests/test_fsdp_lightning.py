@@ -267,7 +267,7 @@ def test_fabric_trains_as_scape_fsdp_by_hand_and_resumes_bit_for_bit(ranks):
     for rank, r in enumerate(part(ranks, "fabric")):
         whole, resumed = r["whole"], r["resumed"]
         assert whole["lines"] == ([
-            "SCAPE: sparsity=0.99, warmup_steps=4, ramp_steps=3 (the rest default); steps 0-3 dense (warm-up), sparse "
+            "SCAPE: warmup_steps=4, ramp_steps=3 (the rest default); steps 0-3 dense (warm-up), sparse "
             "from step 4 at density 0.25, at the target density 0.0753 (int4 wire, 1% of dense bytes) from step 5; 12 "
             "steps in this run"] if rank == 0 else [])
         assert whole["optimizer"] == "ScapeFSDPAdamS" and whole["step"] == resumed["step"] == STEPS

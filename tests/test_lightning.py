@@ -448,7 +448,7 @@ def test_misuse_in_lightning_is_named(ranks):
             "no communication is saved. Lower warmup_steps / ramp_steps (or train longer) to train at the sparsity "
             "you set."] if rank == 0 else [])
         assert r["start_line"] == ([
-            "SCAPE: sparsity=0.99, ramp_steps=1000 (the rest default); steps 0-49 dense (warm-up), sparse from step "
+            "SCAPE: ramp_steps=1000 (the rest default); steps 0-49 dense (warm-up), sparse from step "
             "50 at density 0.25, at the target density 0.0753 (int4 wire, 1% of dense bytes) from step 384; 8 steps "
             "in this run"] if rank == 0 else [])
         assert r["stock_resume"].startswith("RuntimeError: this AdamW was loaded with optimizer state saved by "
