@@ -526,7 +526,8 @@ def _compiled(rank: int, world: int) -> dict:
     mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
     replicate, out = mesh.get_group("replicate"), {}
     for kernels in ("eager", "compiled"):
-        model, opt = _scape(mesh, sparsity=0.99, wire="native", kernels=kernels, **SCHEDULE)
+        # top-k: with one pick per group (the default) the compiled score's fp32 rounding can move a pick
+        model, opt = _scape(mesh, sparsity=0.99, wire="native", kernels=kernels, selection="topk", **SCHEDULE)
         for step in range(10):
             _loss(model, step, dist.get_rank()).backward()
             opt.step()
@@ -538,6 +539,7 @@ def _compiled(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.slow  # compiles afresh in 2 processes (107 s in a clean-clone CI run)
 def test_compiled_kernels_run_the_compiled_passes_on_fsdp2_and_train_as_eager():
     for out in run_distributed(_compiled, world_size=2):
         eager, compiled = out["eager"], out["compiled"]

@@ -381,7 +381,8 @@ def _fabric_part(rank, tmp, sharded=False):
 def test_fabric_setup_accumulation_save_load(ranks):
     results = part(ranks, "fabric")
     for rank, r in enumerate(results):
-        assert r["said"]["lines"] == (["SCAPE: warmup_steps=2 (the rest default); steps 0-1 dense (warm-up), sparse "
+        assert r["said"]["lines"] == (["SCAPE: sparsity=0.9, warmup_steps=2 (the rest default); steps 0-1 dense "
+                                       "(warm-up), sparse "
                                        "from step 2 at density 0.25, at the target density 0.1 (native wire, 10% of "
                                        "dense bytes) from step 52; 3 steps in this run"] if rank == 0 else [])
         assert [w.split(",")[0] for w in r["said"]["warnings"]] == (

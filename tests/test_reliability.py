@@ -545,7 +545,7 @@ def test_the_start_of_run_line_is_said_once_on_rank_0_at_the_first_step(misuse):
     for rank, r in enumerate(misuse):
         counted = r["counted"]
         assert counted["lines"] == ([
-            "SCAPE: warmup_steps=3, ramp_steps=0 (the rest default); steps 0-2 dense (warm-up), sparse "
+            "SCAPE: sparsity=0.9, warmup_steps=3, ramp_steps=0 (the rest default); steps 0-2 dense (warm-up), sparse "
             "from step 3, at the target density 0.1 (native wire, 10% of dense bytes) from step 3; 5 steps in this "
             "run"] if rank == 0 else [])
         assert not [w for w in counted["warnings"] if "SCAPE: this run" in w]  # 5 steps reach the target at 3
