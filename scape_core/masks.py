@@ -20,9 +20,11 @@ from scape_core.layout import FlatLayout, MaskShape
 
 EXCLUDED, PADDING = -1.0, -2.0  # scores are >= 0: excluded coordinates rank after every free one, padding last
 # fp32 scores are ranked by their bits as int32 (the same order for every score >= 0, and a faster top-k on
-# the CPU: 32 ms instead of 44 for 10M scores at k = 41), the sentinels as the negative ints below
-EXCLUDED_KEY, PADDING_KEY = -1, -2
-INT32_MIN = -2 ** 31  # or-ed into an excluded key: negative, and the excluded keep their order among themselves
+# the CPU: 32 ms instead of 44 for 10M scores at k = 41); an excluded key is its bits or-ed with INT32_MIN
+# (negative: after every free one, and the excluded keep their order among themselves, so a row short of free
+# coordinates takes the best of them), at least INT32_MIN + 1, so that padding (INT32_MIN) ranks last
+INT32_MIN = -2 ** 31
+PADDING_KEY = INT32_MIN
 
 
 @dataclass
@@ -77,11 +79,20 @@ def momentum_residual_score(m: Tensor, residual: Tensor | None, beta1: float) ->
     return torch.lerp(m, residual, 1 - beta1).abs_()
 
 
+def _excluded_keys(keys: Tensor, at: Tensor) -> tuple[Tensor, Tensor]:
+    """``(at, keys)`` for a ``scatter_``: the keys of columns ``at`` moved below every free key (scores
+    are >= 0), in their own order, and above padding."""
+    below = keys.gather(1, at)
+    if keys.dtype == torch.int32:
+        return at, below.bitwise_or_(INT32_MIN).clamp_(min=INT32_MIN + 1)
+    return at, -1 / (1 + below)  # in [-1, 0): above PADDING
+
+
 def select(score: Tensor, layout: FlatLayout, shape: MaskShape, exclude: Mask | None = None,
            rows: slice = slice(None)) -> Tensor:
     """The ``k`` best columns of every row of ``score`` (rows ``rows`` of the layout); overwrites ``score``.
 
-    Coordinates of ``exclude`` are taken only if a row has not enough others; padding never
+    Coordinates of ``exclude`` are taken only if a row has not enough others (the best of them); padding never
     before a real coordinate. Returns ``(rows, k)`` int16 columns; in a shorter last row the
     best ``count`` come first and the other slots hold a padding column.
 
@@ -93,11 +104,11 @@ def select(score: Tensor, layout: FlatLayout, shape: MaskShape, exclude: Mask | 
     """
     start = rows.start or 0
     stop = layout.rows if rows.stop is None else rows.stop
-    keys, excluded, padded = score, EXCLUDED, PADDING
+    keys, padded = score, PADDING
     if score.dtype == torch.float32:  # the bits order non-negative floats as their values
-        keys, excluded, padded = score.view(torch.int32), EXCLUDED_KEY, PADDING_KEY
-    if exclude is not None:
-        keys.scatter_(1, exclude.cols[start:stop].long(), excluded)
+        keys, padded = score.view(torch.int32), PADDING_KEY
+    if exclude is not None:  # below every free score, in their own order: a short row takes the best of them
+        keys.scatter_(1, *_excluded_keys(keys, exclude.cols[start:stop].long()))
     partial = layout.partial_rows_in(start, stop)
     if partial is not None:
         local, padding, which = partial
@@ -150,9 +161,7 @@ def select_groups(score: Tensor, layout: FlatLayout, shape: MaskShape, exclude: 
     stop = layout.rows if rows.stop is None else rows.stop
     keys = score.view(torch.int32) if score.dtype == torch.float32 else score  # the bits order scores >= 0
     if exclude is not None:  # below every free score, in their own order: a group with no other takes its best
-        at = exclude.cols[start:stop].long()
-        below = keys.gather(1, at)
-        keys.scatter_(1, at, below.bitwise_or_(INT32_MIN) if keys.dtype == torch.int32 else -1 / (1 + below))
+        keys.scatter_(1, *_excluded_keys(keys, exclude.cols[start:stop].long()))
     cols = group_argmax(keys, layout.chunk, shape.k)
     partial = layout.partial_rows_in(start, stop)
     if partial is not None:  # short rows: their own groups, gathered through a fixed index

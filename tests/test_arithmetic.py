@@ -222,7 +222,7 @@ def test_every_step_follows_the_contract(runs, case):
 
 
 @pytest.mark.parametrize("case", ["linear90", "linear99_ramp", "lazy80_delay0_refresh2", *SHARDED,
-                                  "linear90_compiled", *[_maybe_slow(f"{c}_topk") for c in TOPK if c != "int4"]])
+                                  "linear90_compiled", *[_maybe_slow(f"{c}_topk") for c in TOPK]])
 def test_masks_are_the_picks_of_the_contract_score(runs, case):
     """``selection="groups"``: the best of each group of a row's score; ``"topk"``: the row's ``k`` best."""
     cfg = ScapeConfig(**CASES[case]["config"])
