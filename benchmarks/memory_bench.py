@@ -221,7 +221,10 @@ def main() -> None:
                     str(args.layers), "--context", str(args.context), "--methods", ",".join(args.methods),
                     "--result", str(result)]
             print(f"[{time.time() - t0:4.0f}s] W = {w}: {args.methods}", flush=True)
-            launch(argv, w, args.timeout)
+            try:
+                launch(argv, w, args.timeout)
+            except (RuntimeError, TimeoutError) as e:  # one line, not a traceback
+                sys.exit(f"memory_bench STOPPED: {e} (--timeout for a longer limit, --methods to run fewer)")
             results[str(w)] = json.loads(result.read_text())
     params = results[next(iter(results))]["ranks"][0][args.methods[0]]["params"]
     report = {"command": " ".join(["python", "benchmarks/memory_bench.py"] + sys.argv[1:]), "machine": machine(),

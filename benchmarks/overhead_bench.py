@@ -267,7 +267,10 @@ def main() -> None:
     t0, load = time.time(), os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
-        launch(argv + ["--result", str(result)], 2, args.timeout)
+        try:
+            launch(argv + ["--result", str(result)], 2, args.timeout)
+        except (RuntimeError, TimeoutError) as e:  # one line, not a traceback
+            sys.exit(f"overhead_bench STOPPED: {e} (--timeout for a longer limit, --selections to run fewer)")
         res = json.loads(result.read_text())
     res["loadavg"] = [round(load, 2), round(os.getloadavg()[0], 2)]
     text = report(res, args) + f"\n\nload average (1 min) before/after: {res['loadavg']} on {machine()['nproc']} CPUs"
