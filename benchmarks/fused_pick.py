@@ -16,7 +16,6 @@ the bytes each way reads and writes at its boundary (what a memory-bound GPU pay
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -26,6 +25,7 @@ from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
+from benchmarks.bench_common import median_ms  # noqa: E402
 from scape_core.layout import FlatLayout  # noqa: E402
 from scape_core.masks import INT32_MIN, Mask, age_momentum_score, select_groups  # noqa: E402
 
@@ -63,17 +63,6 @@ def eager_pick(layout: FlatLayout, m: Tensor, synced_at: Tensor, target: int, pr
     return select_groups(score, layout, layout.mask_shape(density), previous)
 
 
-def timed(fn, repeats: int) -> float:
-    """Median seconds of ``repeats`` calls (one untimed call first)."""
-    fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, default=6167)
@@ -103,14 +92,15 @@ def main() -> None:
     compile_s = time.perf_counter() - t0
     want = eager_pick(layout, m, synced_at, target, previous, density, out.clone())
     same = torch.equal(got.to(torch.int16), want)
-    t_eager = timed(lambda: eager_pick(layout, m, synced_at, target, previous, density, out), args.repeats)
-    t_fused = timed(lambda: compiled(m, synced_at, before, excluded, k), args.repeats)
+    eager = lambda: eager_pick(layout, m, synced_at, target, previous, density, out)  # noqa: E731
+    t_eager = median_ms(eager, args.repeats, warm=True)
+    t_fused = median_ms(lambda: compiled(m, synced_at, before, excluded, k), args.repeats, warm=True)
     n = rows * chunk
     fused_bytes = (m.numel() * 4 + synced_at.numel() * 4 + excluded.numel() * 8 + got.numel() * 8) / n
     print(f"{rows} rows x {chunk}, k = {k}, torch {torch.__version__}, {torch.get_num_threads()} thread(s)")
     print(f"same picks as select_groups: {same}; first call (compile) {compile_s:.1f} s")
-    print(f"per call, median of {args.repeats}: eager (score pass + select_groups) {1000 * t_eager:.1f} ms, "
-          f"fused {1000 * t_fused:.1f} ms ({t_fused / t_eager:.2f}x)")
+    print(f"per call, median of {args.repeats}: eager (score pass + select_groups) {t_eager:.1f} ms, "
+          f"fused {t_fused:.1f} ms ({t_fused / t_eager:.2f}x)")
     print(f"boundary bytes of the fused pass: {fused_bytes:.2f} B per coordinate (reads m and the windows, "
           "the excluded columns; writes the picks)")
     if not same:
