@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script 
 
 from benchmarks.bench_common import median_ms  # noqa: E402
 from scape_core.layout import FlatLayout  # noqa: E402
-from scape_core.masks import INT32_MIN, Mask, age_momentum_score, select_groups  # noqa: E402
+from scape_core.masks import Mask, age_momentum_score, excluded_key, select_groups  # noqa: E402
 
 
 def fused_pick(m: Tensor, synced_at: Tensor, before: Tensor, excluded: Tensor, k: int) -> Tensor:
@@ -51,7 +51,7 @@ def fused_pick(m: Tensor, synced_at: Tensor, before: Tensor, excluded: Tensor, k
         part = keys[:, lo:hi].unflatten(1, (n, width))
         own = excluded[:, first:first + n] - offsets  # the excluded offset in each group
         hit = torch.arange(width, device=m.device) == own[..., None]  # a broadcast: no index per coordinate
-        part = torch.where(hit, (part | INT32_MIN).clamp(min=INT32_MIN + 1), part)
+        part = torch.where(hit, excluded_key(part), part)
         parts.append(part.argmax(-1) + offsets)
     return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
 

@@ -16,11 +16,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 from typing import Any
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 DENSE, BOUND = "DDP + AdamW", "no-comm + AdamS"
 LABELS = {BOUND: "no communication (the ceiling)", "SCAPE 99%": "SCAPE 99%, the default (int4 values)",

@@ -79,13 +79,22 @@ def momentum_residual_score(m: Tensor, residual: Tensor | None, beta1: float) ->
     return torch.lerp(m, residual, 1 - beta1).abs_()
 
 
-def _excluded_keys(keys: Tensor, at: Tensor) -> tuple[Tensor, Tensor]:
-    """``(at, keys)`` for a ``scatter_``: the keys of columns ``at`` moved below every free key (scores
-    are >= 0), in their own order, and above padding."""
-    below = keys.gather(1, at)
+def excluded_key(keys: Tensor) -> Tensor:
+    """Keys (a score's int32 bits, or the score itself) moved below every free key (scores are >= 0),
+    in their own order, and above padding; out of place (a compiled pass may call it).
+
+    Example:
+        >>> excluded_key(torch.tensor([0, 5], dtype=torch.int32)).tolist()   # INT32_MIN + 1, INT32_MIN + 5
+        [-2147483647, -2147483643]
+    """
     if keys.dtype == torch.int32:
-        return at, below.bitwise_or_(INT32_MIN).clamp_(min=INT32_MIN + 1)
-    return at, -1 / (1 + below)  # in [-1, 0): above PADDING
+        return (keys | INT32_MIN).clamp(min=INT32_MIN + 1)
+    return -1 / (1 + keys)  # in [-1, 0): above PADDING
+
+
+def _rank_excluded_last(keys: Tensor, at: Tensor) -> None:
+    """Move the keys of columns ``at`` (per row) below every free one, in place (:func:`excluded_key`)."""
+    keys.scatter_(1, at, excluded_key(keys.gather(1, at)))
 
 
 def select(score: Tensor, layout: FlatLayout, shape: MaskShape, exclude: Mask | None = None,
@@ -108,7 +117,7 @@ def select(score: Tensor, layout: FlatLayout, shape: MaskShape, exclude: Mask | 
     if score.dtype == torch.float32:  # the bits order non-negative floats as their values
         keys, padded = score.view(torch.int32), PADDING_KEY
     if exclude is not None:  # below every free score, in their own order: a short row takes the best of them
-        keys.scatter_(1, *_excluded_keys(keys, exclude.cols[start:stop].long()))
+        _rank_excluded_last(keys, exclude.cols[start:stop].long())
     partial = layout.partial_rows_in(start, stop)
     if partial is not None:
         local, padding, which = partial
@@ -161,7 +170,7 @@ def select_groups(score: Tensor, layout: FlatLayout, shape: MaskShape, exclude: 
     stop = layout.rows if rows.stop is None else rows.stop
     keys = score.view(torch.int32) if score.dtype == torch.float32 else score  # the bits order scores >= 0
     if exclude is not None:  # below every free score, in their own order: a group with no other takes its best
-        keys.scatter_(1, *_excluded_keys(keys, exclude.cols[start:stop].long()))
+        _rank_excluded_last(keys, exclude.cols[start:stop].long())
     cols = group_argmax(keys, layout.chunk, shape.k)
     partial = layout.partial_rows_in(start, stop)
     if partial is not None:  # short rows: their own groups, gathered through a fixed index

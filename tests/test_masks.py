@@ -59,6 +59,14 @@ def _selected(rule, numels: list[int], chunk: int, density: float, seed: int, wi
     return layout, score, exclude, entries
 
 
+def _excluded_in(exclude: Mask | None, row: int, length: int) -> torch.Tensor | None:
+    """The excluded columns of layout row ``row`` that are coordinates (inside its ``length``)."""
+    if exclude is None:
+        return None
+    cols = exclude.cols[row].long()
+    return cols[cols < length]
+
+
 @settings(max_examples=60, deadline=None)
 @given(sizes, chunks, densities, st.integers(0, 2**31 - 1), st.booleans())
 def test_select_takes_the_best_of_every_row_and_the_entries_are_each_rows_share(numels, chunk, density, seed,
@@ -71,10 +79,7 @@ def test_select_takes_the_best_of_every_row_and_the_entries_are_each_rows_share(
             lo = (first + r) * chunk
             picked = entries[(entries >= lo) & (entries < lo + length)] - lo
             assert picked.numel() == topk_count(length, density)
-            excluded = None
-            if exclude is not None:
-                cols = exclude.cols[first + r].long()
-                excluded = cols[cols < length]
+            excluded = _excluded_in(exclude, first + r, length)
             # the best free ones; a row short of free coordinates: every free one, then the best excluded
             assert reference.topk_violation(score[first + r, :length], picked, picked.numel(), excluded) == 0.0
 
@@ -93,10 +98,7 @@ def test_groups_take_the_best_of_every_group_in_ascending_columns(numels, chunk,
             picked = entries[(entries >= lo) & (entries < lo + length)] - lo
             k = topk_count(length, density)
             assert torch.equal(picked, picked.sort().values)  # ascending
-            excluded = None
-            if exclude is not None:
-                cols = exclude.cols[first + r].long()
-                excluded = cols[cols < length]
+            excluded = _excluded_in(exclude, first + r, length)
             assert reference.groups_violation(score[first + r, :length], picked, k, excluded) == 0.0
             for (g_lo, g_hi), pick in zip(reference.group_bounds(length, k), picked.tolist()):  # ties: lowest
                 row = score[first + r, g_lo:g_hi].clone()
