@@ -234,13 +234,14 @@ class StepRecord:
                     "ScapeAdamS, and accumulate gradients under ddp.no_sync().")
 
     def open(self, mask: Mask, layout: FlatLayout, staged: bool = True,
-             base: list[tuple[int, int]] | None = None) -> None:
+             base: list[tuple[int, int]] | None = None, narrow: bool = False) -> None:
         """The exchange's entries are known: ``mask``'s, or its spans ``base`` of them (on the hook's
         thread, before any callback can run); ``staged``: the eager :func:`scape_core.exchange.stage`
-        fills ``send``, so it exists now. Once per exchange."""
+        fills ``send``, so it exists now; ``narrow``: the entries as the compiled passes read them
+        (:meth:`~scape_core.masks.Mask.flat`). Once per exchange."""
         if self.entries is None:
             self.density, self.base = mask.density, base
-            every = mask.flat(layout)
+            every = mask.flat(layout, narrow)
             self.entries = every if base is None else gather_spans(every, base)
             if staged:
                 self.values = torch.zeros(self.entries.numel(), device=self.entries.device)

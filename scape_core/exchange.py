@@ -121,11 +121,9 @@ def exchange_encoded(state: "ScapeStateBase", record: StepRecord) -> torch.futur
     state.count(plan.entries, plan.nbytes, 0)  # as one all-reduce of the encoded buffer (see scape_core.wire)
     received = torch.empty_like(sent)
     inflight.hold(dist.all_to_all_single(received, sent, group=group, async_op=True)).wait()
-    own, rounded = kernels.wire_own(plan, received)  # this rank's segment's mean, encoded
     lo = state.rank * plan.segment  # the owner keeps W times its encoding's rounding: the mean residual holds it
-    hi = min(lo + plan.segment, plan.entries)
-    if hi > lo:
-        kept[lo:hi] += rounded[:hi - lo]
+    hi = max(lo, min(lo + plan.segment, plan.entries))
+    own = kernels.wire_own(plan, received, kept[lo:hi])  # this rank's segment's mean, encoded
     gathered = sent.new_empty(sent.numel())  # flat: gloo's all-gather wants it so
     work = inflight.hold(all_gather_into_tensor(gathered, own, group=group, async_op=True))
     return work.get_future().then(lambda f: finish(
@@ -213,6 +211,7 @@ class ExchangePath(NamedTuple):
     stage: Callable[..., Exchange]
     finish: Callable[..., None]
     staged: bool  # whether stage fills a send buffer made beforehand (eager), or makes it (compiled)
+    narrow: bool  # whether the entries are the layout's narrowest index dtype (compiled: int32 where it fits)
 
 
 def path(kernels: str) -> ExchangePath:
@@ -223,5 +222,5 @@ def path(kernels: str) -> ExchangePath:
         ('finish_eager', 'stage_compiled')
     """
     if kernels == "compiled":
-        return ExchangePath(stage_compiled, finish_compiled, staged=False)
-    return ExchangePath(stage, finish_eager, staged=True)
+        return ExchangePath(stage_compiled, finish_compiled, staged=False, narrow=True)
+    return ExchangePath(stage, finish_eager, staged=True, narrow=False)

@@ -199,7 +199,7 @@ class ScapeFSDPState(ScapeStateBase):
         self.count(0, 0, dense_bytes)
         spans = self.layout.mask_shape(mask.density).rows_spans(g.start, g.stop)
         part, path = StepRecord(self.buckets, dtype=output.dtype), self.exchange_path
-        part.open(mask, self.layout, staged=path.staged, base=spans)
+        part.open(mask, self.layout, staged=path.staged, base=spans, narrow=path.narrow)
         path.stage(self, part, region, output, [(0, part.entries.numel())])  # the group: the exchange's one region
         exchange.send(self, part).wait()
         self.record.absorb(part, spans, mask.flat(self.layout))

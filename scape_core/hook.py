@@ -43,7 +43,7 @@ def scape_hook(state: ScapeState, bucket: dist.GradBucket) -> torch.futures.Futu
     if not state.sparse_started:
         state.start_sparse()
     record, path = state.record, state.exchange_path
-    record.open(mask, state.layout, staged=path.staged)
+    record.open(mask, state.layout, staged=path.staged, narrow=path.narrow)
     part = path.stage(state, record, plan, buffer, record.spans(plan.names), bucket.is_last())
     state.count(0, 0, dense_bytes)
     if bucket.is_last():  # the step's compact buffer is complete: exchange it

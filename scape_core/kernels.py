@@ -33,6 +33,8 @@ import torch
 from torch import Tensor
 
 from scape_core import wire
+from scape_core.layout import FlatLayout, MaskShape, short_group_index
+from scape_core.masks import excluded_key
 from scape_core.wire import WirePlan
 
 KERNELS = ("eager", "compiled")
@@ -87,6 +89,71 @@ def age_momentum_pass(m: Tensor, synced_at: Tensor, before: Tensor, out: Tensor)
     return out.copy_(((synced_at - before) * m).abs())
 
 
+def best_in_groups(keys: Tensor) -> Tensor:
+    """The position of the largest int32 key along the last dimension, ties to the lowest, as one max:
+    each key widened to int64 with its reversed position in the low bits. Exact; in a compiled pass a
+    max reduces faster than an argmax (no index carried), and the widened keys are never stored.
+
+    Example:
+        >>> best_in_groups(torch.tensor([[3, 7, 7], [-5, -5, -9]], dtype=torch.int32))
+        tensor([1, 0])
+    """
+    width = keys.shape[-1]
+    back = (width - 1) - torch.arange(width, device=keys.device)
+    best = ((keys.long() << 32) | back).amax(-1)
+    return (width - 1) - (best & 0xFFFFFFFF)
+
+
+def pick_pass(m: Tensor, synced_at: Tensor, before: Tensor, excluded: Tensor | None, k: int,
+              short: tuple[Tensor, Tensor, Tensor] | None, widest: int,
+              entry_rows: tuple[Tensor, Tensor, Tensor] | None,
+              index_dtype: torch.dtype = torch.int64) -> tuple[Tensor, Tensor | None]:
+    """``selection="groups"`` of the score ``|m| (n - 1)`` in one pass over ``m`` and the windows: the
+    score, the exclusion and each group's best, without writing the score. As
+    :func:`scape_core.masks.select_groups` (the same columns), for ``excluded`` (the mask being
+    flushed, ``(rows, k)`` columns) ``None`` or a groups mask of the same ``k``: its column of group
+    ``j`` lies in group ``j``, so the exclusion is a comparison in each group, not a scatter.
+
+    ``short``: the shorter rows' ``(index in these rows, length, picks)``
+    (:meth:`~scape_core.layout.MaskShape.short_rows`), cut into their own groups here (``widest``:
+    the widest); ``entry_rows``: ``(full rows, short rows, short slots that are entries)`` to return
+    the mask's entries too (every row selected), as ``index_dtype``. Returns ``(columns (rows, k) int16,
+    entries or None)``.
+    """
+    rows, chunk = m.shape
+    keys = ((synced_at - before) * m).abs().view(torch.int32)  # the bits order scores >= 0
+    size, wider = divmod(chunk, k)  # the first `wider` groups hold size + 1 columns
+    parts = []
+    for lo, hi, first, n, width in ((0, wider * (size + 1), 0, wider, size + 1),
+                                    (wider * (size + 1), chunk, wider, k - wider, size)):
+        if not n:
+            continue
+        starts = torch.arange(lo, hi, width, device=m.device)
+        part = keys[:, lo:hi].unflatten(1, (n, width))
+        if excluded is not None:
+            own = excluded[:, first:first + n].long() - starts  # each group's excluded offset
+            hit = torch.arange(width, device=m.device) == own[..., None]
+            part = torch.where(hit, excluded_key(part), part)
+        parts.append(best_in_groups(part) + starts)
+    cols = parts[0] if len(parts) == 1 else torch.cat(parts, 1)
+    if short is not None:  # each shorter row: `count` groups over its `length`, computed here, not read
+        local, length, count = short
+        index = short_group_index(length, count, k, widest, chunk)
+        short_keys = keys.index_select(0, local).gather(1, index.flatten(1)).view(index.shape)
+        if excluded is not None:
+            hit = index == excluded.index_select(0, local).long()[..., None]
+            short_keys = torch.where(hit, excluded_key(short_keys), short_keys)
+        picked = index.gather(2, best_in_groups(short_keys)[..., None]).squeeze(-1)
+        cols = cols.index_copy(0, local, picked)
+    entries = None
+    if entry_rows is not None:  # Mask.flat: every full row's picks, then the shorter rows' counted ones
+        full_rows, short_rows, short_slots = entry_rows
+        full = (cols.index_select(0, full_rows) + full_rows[:, None] * chunk).view(-1)
+        rest = (cols.index_select(0, short_rows) + short_rows[:, None] * chunk).view(-1).index_select(0, short_slots)
+        entries = torch.cat([full, rest]).to(index_dtype)
+    return cols.to(torch.int16), entries
+
+
 def stage_pass(buffers: list[Tensor], residual: Tensor | None, entries: Tensor,
                pieces: Sequence[Piece]) -> tuple[Tensor, Tensor]:
     """A sparse step's compact buffer from every bucket at once: ``g + e`` at the mask's entries (fp32,
@@ -124,7 +191,8 @@ def finish_pass(buffers: list[Tensor], residual: Tensor | None, entries: Tensor,
     at once: the residual keeps ``kept`` (or 0) at the entries of buckets that went through
     (``good``, per entry; ``ok``, per bucket), plus their means if the step is skipped (a bucket not
     ``ok``); every bucket gets the mean at the mask's entries. Returns the means (fp32; 0 in a
-    dropped bucket). As :func:`scape_core.exchange.finish_region`.
+    dropped bucket). As :func:`scape_core.exchange.finish_region`. ``entries`` may be int32 (a mask's
+    narrow entries, :meth:`~scape_core.masks.Mask.flat`), as in every pass that takes them.
 
     The residual's add is a graph of its own (:func:`residual_pass`) and the zeroing an eager
     multi-tensor operator. In this graph an add into each parameter's slice of the residual (which
@@ -133,6 +201,7 @@ def finish_pass(buffers: list[Tensor], residual: Tensor | None, entries: Tensor,
     and then written at the entries in one graph is written through a temporary of its size,
     copied back at the end (inductor's generated code).
     """
+    entries = entries.long()  # index_copy_ takes int64 (a compiled pass converts as it reads)
     mean = torch.where(good, reduced, 0.0)
     if residual is not None:
         flat = residual.view(-1)
@@ -177,6 +246,7 @@ def masked_update_pass(rule: Any, momentum: Tensor, statistics: dict[str, Tensor
     """The update rule on the mask's entries (``local``: their flat indices in the state's buffers):
     reads ``m``, the statistics and the windows there, writes them back where ``applied``, marks the
     entries exchanged at ``step``; returns ``u`` (0 where not applied). As ``ScapeAdamS``'s eager path."""
+    local = local.long()  # index_copy_ takes int64 (a no-op for int64 entries)
     n = torch.ones_like(s)
     if windows is not None:
         flat = windows.view(-1)
@@ -215,12 +285,15 @@ def wire_send_pass(plan: WirePlan, values: Tensor) -> tuple[Tensor, Tensor]:
     return send, segments.sub_(wire.decode(plan, send)).view(-1)[:plan.entries]
 
 
-def wire_own_pass(plan: WirePlan, received: Tensor) -> tuple[Tensor, Tensor]:
-    """The owner's stage: the mean of every rank's copy of its segment, encoded; returns ``(encoded
-    mean, W times what that encoding rounded away)`` (the owner's residual keeps the latter)."""
+def wire_own_pass(plan: WirePlan, received: Tensor, kept: Tensor) -> Tensor:
+    """The owner's stage: the mean of every rank's copy of its segment, encoded; returns the encoded
+    mean and adds ``W`` times what that encoding rounded away to ``kept`` (this rank's share of the
+    send buffer's rounding, its segment's entries: the owner's residual keeps it), in place."""
     mean = wire.owner_mean(plan, received)
     own = wire.encode(plan, mean)
-    return own, mean.sub_(wire.decode(plan, own)).mul_(plan.world)
+    rounded = mean.sub_(wire.decode(plan, own)).mul_(plan.world).view(-1)
+    kept.add_(rounded[:kept.numel()])
+    return own
 
 
 def wire_decode_pass(plan: WirePlan, gathered: Tensor) -> Tensor:
@@ -298,6 +371,17 @@ class Kernels:
         before = self.scalar("before", target - 1, torch.device("cpu"), torch.float32)
         return self._fn("score", age_momentum_pass, tuple(m.shape))(m, synced_at, before, out)  # the CPU's blocks
 
+    def pick(self, m: Tensor, synced_at: Tensor, target: int, excluded: Tensor | None, layout: FlatLayout,
+             shape: MaskShape, rows: slice, entries: bool) -> tuple[Tensor, Tensor | None]:
+        """:func:`pick_pass` for rows ``rows`` of ``layout`` (``m`` and ``synced_at`` hold those rows): the
+        mask of step ``target`` (compiled only; one compiled copy per density, rows and exclusion)."""
+        before = self.scalar("before", target - 1, torch.device("cpu"), torch.float32)
+        short = shape.short_rows(rows.start, rows.stop)
+        entry_rows = (layout.full_rows, layout.partial_rows, shape.partial_index) if entries else None
+        key = (tuple(m.shape), shape.density, rows.start, rows.stop, excluded is None, entries)
+        return self._fn("pick", pick_pass, key)(m, synced_at, before, excluded, shape.k, short, shape.widest,
+                                                entry_rows, layout.index_dtype)
+
     def stage(self, buffers: list[Tensor], residual: Tensor | None, entries: Tensor,
               pieces: Sequence[Piece]) -> tuple[Tensor, Tensor]:
         """:func:`stage_pass`: the step's compact buffer and each bucket's verdict (compiled only)."""
@@ -350,9 +434,9 @@ class Kernels:
         """:func:`wire_send_pass`."""
         return self._fn("wire", wire_send_pass, plan)(plan, values)
 
-    def wire_own(self, plan: WirePlan, received: Tensor) -> tuple[Tensor, Tensor]:
+    def wire_own(self, plan: WirePlan, received: Tensor, kept: Tensor) -> Tensor:
         """:func:`wire_own_pass`."""
-        return self._fn("wire_own", wire_own_pass, plan)(plan, received)
+        return self._fn("wire_own", wire_own_pass, (plan, kept.numel()))(plan, received, kept)
 
     def wire_decode(self, plan: WirePlan, gathered: Tensor) -> Tensor:
         """:func:`wire_decode_pass`."""

@@ -72,6 +72,27 @@ def scatter_spans(out: Tensor, spans: list[tuple[int, int]], values: Tensor) -> 
         offset += hi - lo
 
 
+def short_group_index(length: Tensor, count: Tensor, k: int, widest: int, chunk: int) -> Tensor:
+    """The groups of shorter rows for ``selection="groups"``: row ``p`` of ``length[p]`` columns picks
+    ``count[p]``; group ``i < count`` is ``length // count`` or one more contiguous columns (the wider
+    first), padded with its first column to ``widest``; slots past the count point at the padding
+    column ``chunk - 1``. Returns ``(P, k, widest)`` int64 (torch operators only: a compiled pick
+    builds it from the lengths and counts instead of reading it).
+
+    Example:
+        >>> short_group_index(torch.tensor([5]), torch.tensor([3]), k=4, widest=2, chunk=8).tolist()
+        [[[0, 1], [2, 3], [4, 4], [7, 7]]]
+    """
+    slot = torch.arange(k, device=length.device)
+    length, count = length[:, None], count[:, None]
+    size, wider = length // count.clamp(min=1), length % count.clamp(min=1)
+    start = (slot * size + torch.minimum(slot, wider))[..., None]
+    width = (size + (slot < wider).long())[..., None]
+    offset = torch.arange(widest, device=length.device)
+    index = torch.where(offset < width, start + offset, start)
+    return torch.where((slot < count)[..., None], index, chunk - 1)
+
+
 class FlatLayout:
     """Where each parameter's coordinates sit in SCAPE's ``(rows, chunk)`` buffers.
 
@@ -133,6 +154,17 @@ class FlatLayout:
             self._partial_in[key] = None if not which.numel() else (
                 self.partial_rows.index_select(0, which) - start, self.padding.index_select(0, which), which)
         return self._partial_in[key]
+
+    @property
+    def index_dtype(self) -> torch.dtype:
+        """The narrowest integer dtype that holds every flat index (int32 up to 2^31 coordinates): a
+        mask's entries as the compiled passes read them (:meth:`scape_core.masks.Mask.flat`).
+
+        Example:
+            >>> FlatLayout({"w": torch.zeros(3, 4)}, chunk=8).index_dtype
+            torch.int32
+        """
+        return torch.int32 if self.rows * self.chunk <= 2 ** 31 - 1 else torch.int64
 
     def zeros(self, dtype: torch.dtype = torch.float32) -> Tensor:
         """A new ``(rows, chunk)`` buffer of zeros on the parameters' device."""
@@ -240,6 +272,8 @@ class MaskShape:
         self.partial_valid = slots < torch.tensor(counts, dtype=torch.long, device=device)[:, None]  # (P, k)
         self.partial_index = self.partial_valid.view(-1).nonzero().view(-1)  # once per density, off the step
         self.full_entries = layout.full_rows.numel() * self.k
+        # the widest group of a shorter row (selection="groups": each is cut into its own count of groups)
+        self.widest = max([-(-n // c) for n, c in zip(layout.partial_len, counts) if c] or [1])
         self.entries = self.full_entries + sum(counts)
         self._layout = layout
         self._offsets = [0]
@@ -247,6 +281,7 @@ class MaskShape:
             self._offsets.append(self._offsets[-1] + c)
         self._ranges: dict[tuple[str, ...], _Ranges] = {}
         self._group_index: Tensor | None = None
+        self._short: dict[tuple[int, int], tuple[Tensor, Tensor, Tensor] | None] = {}
         self._pieces: dict[tuple[str, ...], tuple[ParamPiece, ...]] = {}
 
     @property
@@ -262,22 +297,33 @@ class MaskShape:
             [[[0, 1], [2, 3], [4, 4], [7, 7]]]
         """
         if self._group_index is None:
-            layout, rows = self._layout, []
-            widest = max([-(-n // c) for n, c in zip(layout.partial_len, self.partial_counts) if c] or [1])
-            for n, c in zip(layout.partial_len, self.partial_counts):
-                g, r = divmod(n, c) if c else (0, 0)
-                groups = []
-                for i in range(self.k):
-                    if i >= c:
-                        groups.append([layout.chunk - 1] * widest)
-                        continue
-                    first = i * g + min(i, r)
-                    size = g + (i < r)
-                    groups.append([first + j for j in range(size)] + [first] * (widest - size))
-                rows.append(groups)
-            self._group_index = torch.tensor(rows, dtype=torch.long, device=layout.device).view(
-                len(rows), self.k, widest)
+            layout = self._layout
+            lens = torch.tensor(layout.partial_len, dtype=torch.long, device=layout.device)
+            counts = torch.tensor(self.partial_counts, dtype=torch.long, device=layout.device)
+            self._group_index = short_group_index(lens, counts, self.k, self.widest, layout.chunk)
         return self._group_index
+
+    def short_rows(self, start: int, stop: int) -> tuple[Tensor, Tensor, Tensor] | None:
+        """The shorter rows inside rows ``[start, stop)`` for a compiled pick: their index there, their
+        lengths and their picks (``None`` if there are none); :attr:`group_index`'s groups follow from
+        these. Cached: the first call per range reads the device once.
+
+        Example:
+            >>> layout = FlatLayout({"w": torch.zeros(13), "b": torch.zeros(3)}, chunk=8)   # rows: 8, 5 | 3
+            >>> [t.tolist() for t in layout.mask_shape(0.5).short_rows(1, 3)]
+            [[0, 1], [5, 3], [3, 2]]
+        """
+        key = (start, stop)
+        if key not in self._short:
+            found = self._layout.partial_rows_in(start, stop)
+            if found is None:
+                self._short[key] = None
+            else:
+                local, _, which = found
+                lens = torch.tensor(self._layout.partial_len, device=local.device).index_select(0, which)
+                counts = torch.tensor(self.partial_counts, device=local.device).index_select(0, which)
+                self._short[key] = (local, lens, counts)
+        return self._short[key]
 
     def ranges(self, names: tuple[str, ...]) -> list[tuple[int, int]]:
         """The entry ranges of the parameters ``names`` (e.g. one DDP bucket's), merged."""

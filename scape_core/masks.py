@@ -37,11 +37,22 @@ class Mask:
 
     density: float
     cols: Tensor  # (rows, k) int16
-    _flat: Tensor | None = field(default=None, repr=False)
+    _flat: Tensor | None = field(default=None, repr=False)  # the entries as int64
+    groups: bool = False  # one pick per group of each row (select_groups): a compiled pick excludes it group by group
+    _narrow: Tensor | None = field(default=None, repr=False)  # the entries as the layout's index_dtype
 
-    def flat(self, layout: FlatLayout) -> Tensor:
-        """The entries: flat indices (int64) into a ``(rows, chunk)`` buffer, in the shape's order."""
+    def flat(self, layout: FlatLayout, narrow: bool = False) -> Tensor:
+        """The entries: flat indices into a ``(rows, chunk)`` buffer, in the shape's order; int64 (what
+        eager ``index_copy_`` takes), or ``narrow``: the layout's :attr:`~FlatLayout.index_dtype` (int32
+        up to 2^31 coordinates, half the bytes: what the compiled passes read). Each made once."""
+        if narrow:
+            if self._narrow is None:
+                self._narrow = self.flat(layout).to(layout.index_dtype)
+            return self._narrow
         if self._flat is None:
+            if self._narrow is not None:
+                self._flat = self._narrow.long()
+                return self._flat
             shape = layout.mask_shape(self.density)
             index = self.cols.long().add_(layout.row_base[:, None])
             full = index.index_select(0, layout.full_rows).view(-1)

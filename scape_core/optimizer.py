@@ -301,7 +301,7 @@ class ScapeAdamS(AdamS):
         (:func:`scape_core.kernels.sparse_step_pass`); sharded, the gather, the owners' rule and the
         all-gather of ``u``, then the decay and the update."""
         scape = self.scape
-        entries = mask.flat(scape.layout)
+        entries = mask.flat(scape.layout, narrow=True)  # int32 where it fits: the passes read half the bytes
         pieces = scape.layout.mask_shape(mask.density).pieces([self._names[p] for p in with_grad])
         decay, scale = self._decay_and_scale(groups, skip, entries.device)
         if not scape.sharded:

@@ -163,9 +163,14 @@ class MaskSelector:
         m = momentum if sharded or self.whole else momentum[rows]
         e = None if residual is None else residual[rows]
         w = windows if windows is None or sharded or self.whole else windows[rows]
-        own = self.pick(rows, shape, scheduled, m, e, w, target, beta1)
+        groups = self.config.selection == "groups"
+        if self.fusable(shape, scheduled, w):  # one compiled pass: score, exclusion, picks (and the entries)
+            excluded = None if scheduled is None else scheduled.cols[rows]
+            own, entries = self.kernels.pick(m, w, target, excluded, self.layout, shape, rows, entries=self.whole)
+        else:
+            own, entries = self.pick(rows, shape, scheduled, m, e, w, target, beta1), None
         if self.whole:  # every rank selected the whole mask itself: nothing to exchange
-            return Mask(shape.density, own)
+            return Mask(shape.density, own, groups=groups, _narrow=entries)  # the pick's entries: the passes' dtype
         most = self.layout.block(self.world_size)  # rows of a partition (the last ones may have fewer)
         payload = torch.zeros(most, shape.k, dtype=torch.int16, device=own.device)
         payload[:own.shape[0]] = own
@@ -177,6 +182,15 @@ class MaskSelector:
         self.counters["bytes_sent"] += nbytes
         self._pending = (target, work, out)
         return None
+
+    def fusable(self, shape: MaskShape, scheduled: Mask | None, windows: Tensor | None) -> bool:
+        """Whether the compiled pick (:meth:`~scape_core.kernels.Kernels.pick`) chooses this mask: compiled
+        kernels, one pick per group of the age-weighted score, and the mask being flushed (if any) a
+        groups mask of the same density. Otherwise (the first masks, a ramp's change of density, after
+        a resume) :meth:`pick` does, with the same columns."""
+        return (self.kernels is not None and self.kernels.compiled and self.config.selection == "groups"
+                and self.config.resolved_score == "age_momentum" and windows is not None
+                and (scheduled is None or (scheduled.groups and scheduled.density == shape.density)))
 
     def pick(self, rows: slice, shape: MaskShape, scheduled: Mask | None, m: Tensor, residual: Tensor | None,
              windows: Tensor | None, target: int, beta1: float) -> Tensor:
@@ -199,7 +213,7 @@ class MaskSelector:
         target, work, out = self._pending
         work.wait()
         cols = out.view(torch.int16)[:self.layout.rows]  # equal blocks: the ranks' rows in layout order
-        self.masks[target] = Mask(self.schedule.density_at(target), cols)
+        self.masks[target] = Mask(self.schedule.density_at(target), cols, groups=self.config.selection == "groups")
         self._pending = None
 
     def blocks(self, rows: slice) -> list[slice]:

@@ -173,7 +173,7 @@ def _maybe_slow(case: str) -> Any:
                                   for c in COMPILED])
 def test_compiled_cases_ran_the_compiled_passes(runs, default_runs, case):
     eager = case.removesuffix("_compiled")
-    want = {"AdamS", "score", "stage", "verdicts", "residual", "finish", "update"}
+    want = {"AdamS", "pick", "stage", "verdicts", "residual", "finish", "update"}
     want |= {"gather", "masked_update", "decay"} if "sharded" in case else {"sparse_step"}
     if eager == "dense":
         want = {"AdamS"}
@@ -222,7 +222,8 @@ def test_every_step_follows_the_contract(runs, case):
 
 
 @pytest.mark.parametrize("case", ["linear90", "linear99_ramp", "lazy80_delay0_refresh2", *SHARDED,
-                                  "linear90_compiled", *[_maybe_slow(f"{c}_topk") for c in TOPK]])
+                                  "linear90_compiled", "linear99_ramp_sharded_compiled",
+                                  *[_maybe_slow(f"{c}_topk") for c in TOPK]])
 def test_masks_are_the_picks_of_the_contract_score(runs, case):
     """``selection="groups"``: the best of each group of a row's score; ``"topk"``: the row's ``k`` best."""
     cfg = ScapeConfig(**CASES[case]["config"])

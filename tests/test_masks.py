@@ -4,8 +4,9 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from scape_core.kernels import Kernels, pick_pass
 from scape_core.layout import FlatLayout, topk_count
-from scape_core.masks import Mask, select, select_groups, strided
+from scape_core.masks import Mask, age_momentum_score, select, select_groups, strided
 from tests import reference
 
 densities = st.sampled_from([1e-6, 0.001, 0.01, 0.1, 0.25, 0.5, 0.75, 0.999999])
@@ -169,3 +170,61 @@ def test_selection_in_the_cpus_blocks_of_rows_equals_one_pass(numels, chunk, den
     assert torch.equal(blocked.pick(part, shape, flushed, m[part], residual[part], windows[part], 7, 0.9),
                        one_pass[part])
     assert blocked.scratch is None or blocked.scratch.shape[0] <= block_rows
+
+
+def _fused_case(numels: list[int], chunk: int, density: float, seed: int, flushed: bool, ties: bool):
+    """``m``, windows and a groups mask being flushed (or None) for the compiled pick, with the columns and
+    entries :func:`select_groups` gives from the same score."""
+    layout = layout_of(numels, chunk)
+    shape = layout.mask_shape(density)
+    g = torch.Generator().manual_seed(seed)
+    m = torch.randn(layout.rows, chunk, generator=g)
+    if ties:  # many equal scores, and zeros (a parameter whose momentum is zero)
+        m = m.round_().clamp_(min=0)
+    windows = torch.randint(0, 6, (layout.rows, chunk), generator=g).float()
+    exclude = Mask(density, select_groups(torch.rand(layout.rows, chunk, generator=g), layout, shape),
+                   groups=True) if flushed else None
+    want = Mask(density, select_groups(age_momentum_score(m, windows, 7), layout, shape, exclude))
+    return layout, shape, m, windows, exclude, want
+
+
+@settings(max_examples=60, deadline=None)
+@given(sizes, chunks, densities, st.integers(0, 2**31 - 1), st.booleans(), st.booleans(), st.integers(0, 4))
+def test_the_fused_pick_chooses_the_groups_columns_and_entries(numels, chunk, density, seed, flushed, ties, cut):
+    """:func:`scape_core.kernels.pick_pass` (the compiled pick, run here as torch operators): the score,
+    the exclusion of a groups mask of the same density and each group's best in one function give
+    :func:`select_groups`'s columns and the mask's entries, also for a partition of the rows."""
+    layout, shape, m, windows, exclude, want = _fused_case(numels, chunk, density, seed, flushed, ties)
+    before = torch.tensor(6.0)  # target 7
+    rows = slice(min(cut, layout.rows - 1), layout.rows)
+    excluded = None if exclude is None else exclude.cols[rows]
+    entry_rows = (layout.full_rows, layout.partial_rows, shape.partial_index) if rows.start == 0 else None
+    short = shape.short_rows(rows.start, rows.stop)
+    cols, entries = pick_pass(m[rows], windows[rows], before, excluded, shape.k, short, shape.widest, entry_rows,
+                              layout.index_dtype)
+    assert torch.equal(cols, want.cols[rows]) and cols.dtype == torch.int16
+    if rows.start == 0:
+        assert entries.dtype == torch.int32 and torch.equal(entries.long(), want.flat(layout))
+    else:
+        assert entries is None
+
+
+def test_the_compiled_pick_is_the_same_as_the_eager_one():
+    """Through inductor: the score's bits, each group's best by one max of the widened keys, ties to the
+    lowest column; a 4,096-wide layout at 99% int4's density (groups of 13 and 14) and a narrow one."""
+    kernels = Kernels("compiled")
+    for numels, chunk, density in (([3 * 4096 + 5, 300, 17], 4096, 0.0753), ([500, 64, 3], 64, 0.25)):
+        for flushed in (True, False):
+            layout, shape, m, windows, exclude, want = _fused_case(numels, chunk, density, 0, flushed, ties=True)
+            cols, entries = kernels.pick(m, windows, 7, None if exclude is None else exclude.cols, layout, shape,
+                                         slice(0, layout.rows), entries=True)
+            assert torch.equal(cols, want.cols) and torch.equal(entries.long(), want.flat(layout))
+    assert kernels.built == ("pick",)
+
+
+def test_narrow_entries_are_the_same_indices():
+    layout = layout_of([70, 5], 16)
+    mask = strided(layout, layout.mask_shape(0.25))
+    wide, narrow = mask.flat(layout), mask.flat(layout, narrow=True)
+    assert wide.dtype == torch.int64 and narrow.dtype == torch.int32 and torch.equal(narrow.long(), wide)
+    assert mask.flat(layout, narrow=True) is narrow  # made once
