@@ -207,6 +207,7 @@ class Exchange:
     spans: list[tuple[int, int]]  # where the bucket's entries sit among the mask's entries
     finite: Tensor | None  # this rank's gradients in the bucket are finite (0-dim bool; compiled: once staged)
     future: torch.futures.Future = field(default_factory=torch.futures.Future)  # DDP waits on it
+    residual: Tensor | None = None  # eager: the residual at the entries before the step (what a dropped region keeps)
 
 
 @dataclass

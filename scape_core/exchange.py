@@ -58,9 +58,11 @@ def stage(state: "ScapeStateBase", record: StepRecord, region: BucketPlan, buffe
     lo, hi = torch.aminmax(buffer)
     finite = torch.isfinite(lo) & torch.isfinite(hi)  # NaN propagates, +-inf stays; no fp16 overflow
     picked = buffer.index_select(0, positions).float()
-    if state.residual_buffer is not None:
-        picked += state.residual_buffer.view(-1).index_select(0, entries)
-    exchange = Exchange(region, buffer, entries, positions, spans, finite)
+    before = None
+    if state.residual_buffer is not None:  # kept for the finish: a dropped region's entries get it back
+        before = state.residual_buffer.view(-1).index_select(0, entries)
+        picked += before
+    exchange = Exchange(region, buffer, entries, positions, spans, finite, residual=before)
     record.add_exchange(exchange)
     scatter_spans(record.send, spans, picked.masked_fill_(~finite, float("nan")))
     return exchange
@@ -193,7 +195,7 @@ def finish_region(state: "ScapeStateBase", record: StepRecord, exchange: Exchang
         flat = state.residual_buffer.view(-1)
         returned = torch.where(step_ok, 0.0, mean)  # a skipped step: what was exchanged goes back
         now = returned if kept is None else kept + returned
-        flat.index_copy_(0, entries, torch.where(ok, now, flat.index_select(0, entries)))
+        flat.index_copy_(0, entries, torch.where(ok, now, exchange.residual))  # a dropped region: as before
     buffer.zero_()
     buffer.index_copy_(0, exchange.positions, mean.to(buffer.dtype))
     scatter_spans(record.values, exchange.spans, mean)

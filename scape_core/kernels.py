@@ -221,10 +221,19 @@ def gather_pass(grads: list[Tensor], entries: Tensor, pieces: Sequence[Piece]) -
 
 
 def decay_pass(params: list[Tensor], decay: list[Tensor | None]) -> None:
-    """``theta *= decay`` per tensor (``None``: no decay), in place."""
+    """``theta *= decay`` per tensor (``None``: no decay), in place: one multi-tensor multiply per factor
+    (a parameter group's)."""
+    by_factor: list[tuple[Tensor, list[Tensor]]] = []
     for p, d in zip(params, decay):
-        if d is not None:
-            p.mul_(d)
+        if d is None:
+            continue
+        same = next((members for factor, members in by_factor if factor is d), None)
+        if same is None:
+            by_factor.append((d, [p]))
+        else:
+            same.append(p)
+    for d, members in by_factor:
+        torch._foreach_mul_(members, d)
 
 
 def update_pass(params: list[Tensor], entries: Tensor, u: Tensor, scale: list[Tensor],
@@ -353,7 +362,7 @@ class Kernels:
         return slot.fill_(value)
 
     # compiled only: their eager forms are the callers' own code (AdamS's foreach step, the
-    # selector's score, the hook's per-bucket staging and finish, the optimizer's bucket writes)
+    # selector's score and picks, the hook's per-bucket staging and finish)
     def adams(self, params: list[Tensor], grads: list[Tensor], momenta: list[Tensor], *, lr: float, beta1: float,
               beta2: float, eps: float, weight_decay: float) -> None:
         """One AdamS step, one fused loop per tensor (eager: :func:`scape_core.adams.adams_foreach`)."""
@@ -401,13 +410,15 @@ class Kernels:
         return self._fn("finish", finish_pass, hash(pieces))(buffers, residual, entries, reduced, kept, ok, good,
                                                              pieces)
 
+    # both modes: the eager form is the same function, run as torch operators
     def gather(self, grads: list[Tensor], entries: Tensor, pieces: Sequence[Piece]) -> Tensor:
-        """The gradients at the mask's entries, read in place (compiled only)."""
+        """:func:`gather_pass`: the gradients at the mask's entries, read in place."""
         return self._fn("gather", gather_pass, hash(pieces))(grads, entries, pieces)
 
     def update(self, params: list[Tensor], entries: Tensor, u: Tensor, decay: list[Tensor | None],
                scale: list[Tensor], pieces: Sequence[Piece]) -> None:
-        """Decay every coordinate and add ``scale * u`` at the entries (compiled only): two passes."""
+        """:func:`decay_pass` and :func:`update_pass`: decay every coordinate, add ``scale * u`` at the
+        entries (two passes)."""
         self._fn("decay", decay_pass, tuple(d is None for d in decay))(params, decay)
         self._fn("update", update_pass, hash(pieces))(params, entries, u, scale, pieces)
 
@@ -415,14 +426,14 @@ class Kernels:
                     statistics: dict[str, Tensor], windows: Tensor | None, entries: Tensor, applied: Tensor,
                     step: int, decay: list[Tensor | None], scale: list[Tensor], pieces: Sequence[Piece],
                     **hp: float) -> None:
-        """:func:`sparse_step_pass` (compiled only; replicated state, every parameter with a gradient)."""
+        """:func:`sparse_step_pass` and :func:`update_pass` (replicated state, every parameter with a
+        gradient)."""
         at = self.scalar("step", step, entries.device, torch.float32)  # windows are fp32
         run = self._fn("sparse_step", sparse_step_pass, hash(pieces))
         u = run(rule, params, grads, momentum, statistics, windows, entries, applied, at, decay, pieces,
                 hp["beta1"], hp["beta2"], hp["eps"])
         self._fn("update", update_pass, hash(pieces))(params, entries, u, scale, pieces)
 
-    # both modes: the eager form is the same function, run as torch operators
     def masked_update(self, rule: Any, momentum: Tensor, statistics: dict[str, Tensor], windows: Tensor | None,
                       local: Tensor, s: Tensor, applied: Tensor, step: int, **hp: float) -> Tensor:
         """:func:`masked_update_pass` (``step``: the one being applied)."""

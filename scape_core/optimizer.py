@@ -255,25 +255,25 @@ class ScapeAdamS(AdamS):
 
     def _sparse(self, groups: list[tuple[dict[str, Any], list[Tensor]]], mask: Mask, skip: Tensor,
                 all_have_grad: bool, **hp: float) -> None:
-        """The masked update, decided on the device: :meth:`_sparse_fused` where the compiled passes
-        apply (``kernels="compiled"``, every parameter with a gradient, each one dense block), else
-        the reference :meth:`_sparse_reference` (same arguments, same results to fp32 rounding)."""
+        """The masked update, decided on the device: :meth:`_sparse_direct` (at the entries only) where every
+        parameter has a gradient and each is one dense block, else :meth:`_sparse_through_regions`
+        (same arguments, same results to fp32 rounding)."""
         with_grad = [p for _, params in groups for p in params]
         values, grads = [self._local(p) for p in with_grad], [self._grad(p) for p in with_grad]
-        fused = self.scape.kernels.compiled and all_have_grad and self._contiguous(values, grads)
-        (self._sparse_fused if fused else self._sparse_reference)(groups, with_grad, values, grads, mask, skip,
-                                                                  all_have_grad, **hp)
+        direct = all_have_grad and self._contiguous(values, grads)
+        (self._sparse_direct if direct else self._sparse_through_regions)(groups, with_grad, values, grads, mask,
+                                                                          skip, all_have_grad, **hp)
         record = self.scape.record
         if not record.returns_skipped:  # exchanged region by region: what a skipped step sent goes back now
             record.return_unapplied(self.scape.residual_buffer, mask.flat(self.scape.layout), ~skip)
 
-    def _sparse_reference(self, groups: list[tuple[dict[str, Any], list[Tensor]]], with_grad: list[Tensor],
-                          values: list[Tensor], grads: list[Tensor], mask: Mask, skip: Tensor, all_have_grad: bool,
-                          **hp: float) -> None:
-        """The readable sparse step: the window sums read back from ``p.grad``, the rule on the mask's
-        entries, ``u`` written into the regions, every coordinate decayed and moved by ``-lr u``
-        through the regions' views, the synchronized gradients put back. A fixed number of
-        multi-tensor kernels per group and region, none per parameter."""
+    def _sparse_through_regions(self, groups: list[tuple[dict[str, Any], list[Tensor]]], with_grad: list[Tensor],
+                                values: list[Tensor], grads: list[Tensor], mask: Mask, skip: Tensor,
+                                all_have_grad: bool, **hp: float) -> None:
+        """The sparse step for any parameters (some without a gradient, or not one dense block): the
+        window sums read back from ``p.grad``, the rule on the mask's entries, ``u`` written into the
+        regions, every coordinate decayed and moved by ``-lr u`` through the regions' views (each
+        parameter's whole size), the synchronized gradients put back."""
         scape, record = self.scape, self.scape.record
         entries = mask.flat(scape.layout)
         s = record.gather_gradients([self._names[p] for p in with_grad], grads, entries.numel())
@@ -293,15 +293,17 @@ class ScapeAdamS(AdamS):
         if not all_have_grad:  # a skipped step's values went back at the finish; these did not
             record.return_unapplied(scape.residual_buffer, entries, applied | skip)
 
-    def _sparse_fused(self, groups: list[tuple[dict[str, Any], list[Tensor]]], with_grad: list[Tensor],
-                      values: list[Tensor], grads: list[Tensor], mask: Mask, skip: Tensor, all_have_grad: bool,
-                      **hp: float) -> None:
-        """:meth:`_sparse_reference` as compiled passes that read ``p.grad`` and write the parameters
-        in place (the regions are not written): replicated, one pass and the update's
+    def _sparse_direct(self, groups: list[tuple[dict[str, Any], list[Tensor]]], with_grad: list[Tensor],
+                       values: list[Tensor], grads: list[Tensor], mask: Mask, skip: Tensor, all_have_grad: bool,
+                       **hp: float) -> None:
+        """The sparse step at the entries: the window sums read from ``p.grad`` there, the rule, every
+        coordinate decayed and ``-lr u`` added at the entries of each parameter (the regions are not
+        written, ``p.grad`` keeps the synchronized gradient). Replicated, one pass and the update's
         (:func:`scape_core.kernels.sparse_step_pass`); sharded, the gather, the owners' rule and the
-        all-gather of ``u``, then the decay and the update."""
+        all-gather of ``u``, then the decay and the update. The kernels' passes, compiled or run as
+        torch operators (``ScapeConfig.kernels``)."""
         scape = self.scape
-        entries = mask.flat(scape.layout, narrow=True)  # int32 where it fits: the passes read half the bytes
+        entries = mask.flat(scape.layout, narrow=scape.kernels.compiled)  # compiled: int32 where it fits
         pieces = scape.layout.mask_shape(mask.density).pieces([self._names[p] for p in with_grad])
         decay, scale = self._decay_and_scale(groups, skip, entries.device)
         if not scape.sharded:
@@ -328,7 +330,7 @@ class ScapeAdamS(AdamS):
 
     @staticmethod
     def _contiguous(values: list[Tensor], grads: list[Tensor]) -> bool:
-        """Whether every parameter and gradient is one dense block (the compiled passes index them flat)."""
+        """Whether every parameter and gradient is one dense block (the direct passes index them flat)."""
         return all(p.is_contiguous() and g.is_contiguous() for p, g in zip(values, grads))
 
     def _masked_update(self, mask: Mask, s: Tensor, applied: Tensor, hp: dict[str, float]) -> Tensor:
