@@ -11,13 +11,18 @@ dense DDP + AdamS and with SCAPE (90%, 99%), interleaved. SCAPE's pieces are tim
                 residual, launch the mask all-gather); plus finish_pending: wait for it
     optimizer   the update itself (ScapeAdamS._sparse, or AdamS.step for dense)
 
+    wire        an encoded wire's passes (encode, the owner's mean, decode; inside the hook)
+
 Overhead = hook + selection per step, as a fraction of the median dense DDP step (target
 <= 10%). Medians over steps, in wall time and in CPU time of the thread that ran the piece
 (``time.thread_time``: what the work costs whatever else the machine runs). ``--profile``
-adds a torch.profiler table of two SCAPE 99% steps.
+adds a torch.profiler table of two SCAPE 99% steps. ``--index-work`` profiles a few more steps
+of each SCAPE method (torch.profiler, every thread) and reports the index work over the
+entries: the self time of the index operators (gathers, scatters) per step, and the wire's passes.
 
     python benchmarks/overhead_bench.py                 # ~10M GPT, per-rank batch 2 x 256
     python benchmarks/overhead_bench.py --profile
+    python benchmarks/overhead_bench.py --params 25e6 --batch 1 --context 128 --selections topk,groups --index-work
 """
 
 from __future__ import annotations
@@ -89,6 +94,7 @@ TIMER = Timer()
 def instrument() -> None:
     """Wrap the core's pieces (module attributes, so the hook and the state call the wrappers)."""
     import scape_core.exchange as exchange
+    import scape_core.kernels as kernels
     import scape_core.masks as masks
     import scape_core.selection as selection
     import scape_core.state as state
@@ -107,6 +113,8 @@ def instrument() -> None:
     TIMER.wrap(ScapeAdamS, "_sparse", "optimizer")
     TIMER.wrap(AdamS, "step", "adams_step")  # ScapeAdamS overrides step: this is dense only
     TIMER.wrap(exchange.dist, "all_reduce", "allreduce_launch")
+    for attr in ("wire_send", "wire_own", "wire_decode"):  # an encoded wire's passes (eager or compiled)
+        TIMER.wrap(kernels.Kernels, attr, "wire")
     TIMER.wrap(selection, "all_gather_into_tensor", "gather_launch")  # inside choose (scores read per rank)
 
 
@@ -156,7 +164,7 @@ def derive(p: dict[str, float]) -> dict[str, float]:
                 hook=hook, score=p.get("select", 0) - p.get("topk", 0) - p.get("gather_launch", 0),
                 topk=p.get("topk", 0), gather_launch=p.get("gather_launch", 0), mask_wait=p.get("mask_wait", 0),
                 selection=selection, end_step_other=p.get("end_step", 0) - selection, optimizer=optimizer,
-                overhead=hook + selection)
+                wire=p.get("wire", 0), overhead=hook + selection)
 
 
 def worker(args: argparse.Namespace) -> None:
@@ -176,6 +184,12 @@ def worker(args: argparse.Namespace) -> None:
             dist.barrier()
             for _ in range(args.steps):
                 rows[n].append(step(*runs[n], *next(data_of[n])))
+    indexed = {}
+    if args.index_work:
+        for n in names:
+            if n.startswith("SCAPE"):
+                dist.barrier()
+                indexed[n] = index_work(*runs[n], data_of[n], args.index_steps)
     table = None
     if args.profile:
         from torch.profiler import ProfilerActivity, profile
@@ -187,17 +201,35 @@ def worker(args: argparse.Namespace) -> None:
         table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25)
     gathered: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, dict(rows))
+    indexed_all: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(indexed_all, indexed)
     compiles = {n: (opt.scape.kernels if hasattr(opt, "scape") else opt.kernels).compile_seconds
                 for n, (_, opt) in runs.items()}  # the first calls of each compiled pass (in the warm steps)
     if rank == 0:
         out = {"params": count_params(base), "per_rank": gathered, "profile": table, "kernels": args.kernels,
-               "compile_seconds": compiles}
+               "compile_seconds": compiles, "index_work": indexed_all}
         Path(args.result).write_text(json.dumps(out))
     dist.destroy_process_group()
 
 
-COMPONENTS = ("step", "forward_backward", "opt_step", "hook", "compact", "allreduce_launch", "finish",
+COMPONENTS = ("step", "forward_backward", "opt_step", "hook", "compact", "allreduce_launch", "finish", "wire",
               "selection", "score", "topk", "gather_launch", "mask_wait", "end_step_other", "optimizer", "overhead")
+# the index operators: what "index work over the entries" counts (--index-work)
+INDEX_OPS = {"index_select", "index_copy_", "index_add_", "index_put_", "_index_put_impl_", "index", "gather",
+             "scatter_", "scatter_add_", "take", "put_", "index_fill_"}
+
+
+def index_work(model: Any, opt: Any, data: Any, steps: int) -> dict[str, float]:
+    """Per step of ``steps`` profiled ones (every thread: gloo's callbacks too): the self CPU ms of the
+    index operators, and of the wire's passes (timed as the ``wire`` component)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    wire = 0.0
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            wire += step(model, opt, *next(data))["cpu"]["wire"]
+    ops = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key.removeprefix("aten::") in INDEX_OPS)
+    return {"index_ops": ops / 1000 / steps, "wire": 1000 * wire / steps}
 
 
 def report(res: dict[str, Any], args: argparse.Namespace) -> str:
@@ -229,11 +261,31 @@ def report(res: dict[str, Any], args: argparse.Namespace) -> str:
                 lines.append(f"\n{n} ({clock}): hook + selection = {1000 * cost:.1f} ms ({stat} per step) = "
                              f"{pct:.1f}% of the median dense step ({1000 * dense:.0f} ms) -> target <= 10%: "
                              f"{'MET' if pct <= 10 else 'NOT MET'}")
+    if any(res.get("index_work") or []):
+        lines += ["", index_report(res["index_work"], args.index_steps)]
     if res.get("compile_seconds"):
         firsts = [f"{n}: " + ", ".join(f"{k} {v:.1f}" for k, v in c.items()) + f" (total {sum(c.values()):.1f})"
                   for n, c in res["compile_seconds"].items() if c]
         lines.append(f"\nkernels={res.get('kernels', 'eager')}; first calls of the compiled passes (rank 0, s): "
                      + "; ".join(firsts))
+    return "\n".join(lines)
+
+
+def index_report(per_rank: list[dict[str, dict[str, float]]], steps: int) -> str:
+    """The index work per SCAPE method (mean of the ranks), and against the same method with ``topk``."""
+    names = list(per_rank[0])
+    mean = {n: {k: sum(r[n][k] for r in per_rank) / len(per_rank) for k in ("index_ops", "wire")} for n in names}
+    lines = [f"Index work over the entries (torch.profiler, {steps} steps per method, every thread, mean of the "
+             "ranks; CPU ms per step): the index operators' self time, and the wire's passes",
+             "", "| method | index operators | wire passes | both | both / the same method with topk |",
+             "|---|---|---|---|---|"]
+    for n in names:
+        both = mean[n]["index_ops"] + mean[n]["wire"]
+        base = None if n.endswith(" topk") else n.removesuffix(" groups") + " topk"
+        ratio = ""
+        if base in mean:
+            ratio = f"{both / (mean[base]['index_ops'] + mean[base]['wire']):.2f}x"
+        lines.append(f"| {n} | {mean[n]['index_ops']:.1f} | {mean[n]['wire']:.1f} | {both:.1f} | {ratio} |")
     return "\n".join(lines)
 
 
@@ -253,6 +305,9 @@ def main() -> None:
     p.add_argument("--selections", default=ScapeConfig.selection,
                    help="ScapeConfig.selection of the SCAPE methods, e.g. topk,groups")
     p.add_argument("--profile", action="store_true", help="also profile two SCAPE 99%% steps (torch.profiler)")
+    p.add_argument("--index-work", action="store_true",
+                   help="also profile --index-steps steps of each SCAPE method: the index operators and the wire")
+    p.add_argument("--index-steps", type=int, default=3)
     p.add_argument("--timeout", type=float, default=420)
     p.add_argument("--json", default=str(RESULTS / "overhead_bench.json"))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -263,7 +318,8 @@ def main() -> None:
         end_rank()
     argv = [str(Path(__file__).resolve()), "--worker"] + [
         f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-        if k not in ("worker", "result", "json", "profile", "timeout")] + (["--profile"] if args.profile else [])
+        if k not in ("worker", "result", "json", "profile", "timeout", "index_work")] + (
+        ["--profile"] if args.profile else []) + (["--index-work"] if args.index_work else [])
     t0, load = time.time(), os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"

@@ -290,8 +290,8 @@ def wire_send_pass(plan: WirePlan, values: Tensor) -> tuple[Tensor, Tensor]:
     """An encoded wire's first stage: ``values`` (``(entries,)`` fp32) padded, cut into segments and
     encoded; returns ``(bytes to send, (W, row_bytes); what the encoding rounded away, (entries,))``."""
     segments = wire.pad(plan, values)
-    send = wire.encode(plan, segments)
-    return send, segments.sub_(wire.decode(plan, send)).view(-1)[:plan.entries]
+    send, decoded = wire.encode_decoded(plan, segments)
+    return send, segments.sub_(decoded).view(-1)[:plan.entries]
 
 
 def wire_own_pass(plan: WirePlan, received: Tensor, kept: Tensor) -> Tensor:
@@ -299,8 +299,8 @@ def wire_own_pass(plan: WirePlan, received: Tensor, kept: Tensor) -> Tensor:
     mean and adds ``W`` times what that encoding rounded away to ``kept`` (this rank's share of the
     send buffer's rounding, its segment's entries: the owner's residual keeps it), in place."""
     mean = wire.owner_mean(plan, received)
-    own = wire.encode(plan, mean)
-    rounded = mean.sub_(wire.decode(plan, own)).mul_(plan.world).view(-1)
+    own, decoded = wire.encode_decoded(plan, mean)
+    rounded = mean.sub_(decoded).mul_(plan.world).view(-1)
     kept.add_(rounded[:kept.numel()])
     return own
 

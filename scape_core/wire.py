@@ -112,13 +112,30 @@ class WirePlan:
 
 def encode(plan: WirePlan, x: Tensor) -> Tensor:
     """Segments ``x`` (``(..., segment)`` fp32) as bytes ``(..., row_bytes)`` uint8."""
+    return encode_decoded(plan, x)[0]
+
+
+def encode_decoded(plan: WirePlan, x: Tensor) -> tuple[Tensor, Tensor]:
+    """:func:`encode`, and what :func:`decode` gives back from those bytes (the same fp32 values,
+    NaN where ``x`` is not finite), computed before packing rather than decoded: what the sender
+    keeps of a value is ``x`` minus it.
+
+    Example:
+        >>> plan = WirePlan("int4", entries=4, world=1, block=4)
+        >>> data, back = encode_decoded(plan, torch.tensor([[1.0, -2.0, 0.3, float("nan")]]))
+        >>> back, torch.equal(back.nan_to_num(), decode(plan, data).nan_to_num())
+        (tensor([[ 0.8571, -2.0000,  0.2857,     nan]]), True)
+    """
     if plan.wire == "bfloat16":
-        return x.to(torch.bfloat16).view(torch.uint8)
+        data = x.to(torch.bfloat16)
+        return data.view(torch.uint8), data.float()
     qmax = _QMAX[plan.wire]
     blocks = x.unflatten(-1, (plan.blocks, plan.block_len))
     bad = ~torch.isfinite(blocks)  # travel as the reserved code: the block's other values keep their scale
     scale = blocks.abs().masked_fill_(bad, 0.0).amax(-1, keepdim=True).div_(qmax)
-    q = blocks.div(torch.where(scale > 0, scale, 1.0)).round_().clamp_(-qmax, qmax).flatten(-2)
+    q = blocks.div(torch.where(scale > 0, scale, 1.0)).round_().clamp_(-qmax, qmax)
+    decoded = (q * scale).masked_fill_(bad, float("nan")).flatten(-2)  # decode's q * scale, before packing
+    q = q.flatten(-2)
     bad = bad.flatten(-2)
     if plan.wire == "int8":
         values = q.masked_fill_(bad, -qmax - 1).to(torch.int8).view(torch.uint8)
@@ -128,7 +145,7 @@ def encode(plan: WirePlan, x: Tensor) -> Tensor:
         values = u[..., 0::8 // bits].clone()
         for i in range(1, 8 // bits):
             values.bitwise_or_(u[..., i::8 // bits].bitwise_left_shift(bits * i))
-    return torch.cat([values, scale.squeeze(-1).contiguous().view(torch.uint8)], dim=-1)
+    return torch.cat([values, scale.squeeze(-1).contiguous().view(torch.uint8)], dim=-1), decoded
 
 
 def decode(plan: WirePlan, data: Tensor) -> Tensor:
