@@ -324,9 +324,10 @@ def _decay_traffic(params: list[torch.Tensor], decay: list[torch.Tensor | None])
 
 
 def _stage_traffic(args: tuple, kwargs: dict, out: Any) -> tuple[int, int]:
-    buffers, residual, entries, pieces = args  # every bucket read (its finiteness), the residual at the entries
+    buffers, residual, entries, row_shift, *_ = args  # every bucket read (its finiteness), the residual at the entries
     at = entries.numel() * (residual.element_size() if residual is not None else 0)
-    return nbytes(buffers) + nbytes(entries) * 2 + at, nbytes(out)  # the index is read twice
+    # the index is read twice; the rows' shifts are a table of the layout's rows, read once (cache-resident)
+    return nbytes(buffers) + nbytes(entries) * 2 + at + nbytes(row_shift), nbytes(out)
 
 
 def _sparse_step_traffic(args: tuple, kwargs: dict, out: Any) -> tuple[int, int]:
@@ -340,10 +341,10 @@ def _sparse_step_traffic(args: tuple, kwargs: dict, out: Any) -> tuple[int, int]
 
 
 def _finish_traffic(args: tuple, kwargs: dict, out: Any) -> tuple[int, int]:
-    buffers, residual, entries, reduced, kept, ok, good, pieces = args  # the entries touched (zeroed before: eager)
+    buffers, residual, entries, reduced, kept, ok, good, row_shift, spans, _ = args  # the entries touched
     at = 0 if residual is None else entries.numel() * residual.element_size()
-    small = nbytes([entries, reduced, ok, good] + ([kept] if kept is not None else []))
-    picked = sum((hi - lo) * buffers[j].element_size() for j, lo, hi, _ in pieces)
+    small = nbytes([entries, reduced, ok, good, row_shift] + ([kept] if kept is not None else []))
+    picked = sum((hi - lo) * buffers[j].element_size() for j, lo, hi in spans)
     return small + nbytes(entries) + at, at + picked + nbytes(out)
 
 

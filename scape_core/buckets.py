@@ -137,46 +137,47 @@ class Buckets:
             plan.residual_views = None
 
 
-class RegionPiece(NamedTuple):
-    """Entries ``[lo, hi)`` of an exchange sit in region ``region`` (an index into its regions) at
-    their flat index minus ``shift``."""
+class RegionSpan(NamedTuple):
+    """Entries ``[lo, hi)`` of an exchange sit in region ``region`` (an index into its regions); each at
+    its flat index plus its row's shift (:attr:`Buckets.row_shift`)."""
 
     region: int
     lo: int
     hi: int
-    shift: int
 
 
 class Staging:
-    """Where every entry of an exchange sits in its regions, for the compiled passes
+    """Which region every entry of an exchange sits in, for the compiled passes
     (:func:`scape_core.kernels.stage_pass`, :func:`scape_core.kernels.finish_pass`).
 
-    ``pieces``: :class:`RegionPiece` in entry order: entries ``[lo, hi)`` of the exchange are the
-    region's coordinates ``flat index - shift``. ``base``: the exchange's spans of the mask's
-    entries (``None``: every entry, in mask order). Built once per region structure and density;
-    plain ints, so a compiled pass bakes them in.
+    ``spans``: :class:`RegionSpan` in entry order, adjacent ones of a region merged (a DDP bucket's
+    parameters are neighbours in the layout: its full rows are one span, its shorter rows another),
+    so a pass indexes each region a few times, not once per parameter. ``base``: the exchange's
+    spans of the mask's entries (``None``: every entry, in mask order). Built once per region
+    structure and density; plain ints, so a compiled pass bakes them in.
 
     Example:
         >>> layout = FlatLayout({"w": torch.zeros(20), "b": torch.zeros(3)}, chunk=8)
         >>> plans = (BucketPlan(("b", "w"), [], (0, 3)),)        # one bucket: b first, then w
-        >>> Staging(layout, plans, layout.mask_shape(0.25)).pieces
-        (RegionPiece(region=0, lo=0, hi=5, shift=-3), RegionPiece(region=0, lo=5, hi=6, shift=24))
+        >>> Staging(layout, plans, layout.mask_shape(0.25)).spans  # w's full rows, then both short rows
+        (RegionSpan(region=0, lo=0, hi=6),)
     """
 
     def __init__(self, layout: FlatLayout, plans: tuple[BucketPlan, ...], shape: MaskShape,
                  base: list[tuple[int, int]] | None = None) -> None:
-        pieces = []
-        for j, plan in enumerate(plans):
-            for name, offset in zip(plan.names, plan.offsets):
-                start = layout.first_row[name] * layout.chunk
-                pieces += [(local(base, lo), j, local(base, lo) + hi - lo, start - offset)
-                           for lo, hi in shape.ranges((name,))]
-        pieces.sort()
-        covered = sum(hi - lo for lo, _, hi, _ in pieces)
+        pieces = sorted((local(base, lo), j, local(base, lo) + hi - lo) for j, plan in enumerate(plans)
+                        for lo, hi in shape.ranges(plan.names))
+        covered = sum(hi - lo for lo, _, hi in pieces)
         total = shape.entries if base is None else sum(hi - lo for lo, hi in base)
         if covered != total:  # every synchronized parameter is in exactly one region
             raise RuntimeError(f"the regions hold {covered} of the exchange's {total} entries")
-        self.pieces: tuple[RegionPiece, ...] = tuple(RegionPiece(j, lo, hi, shift) for lo, j, hi, shift in pieces)
+        spans: list[RegionSpan] = []
+        for lo, j, hi in pieces:
+            if spans and spans[-1].region == j and spans[-1].hi == lo:
+                spans[-1] = RegionSpan(j, spans[-1].lo, hi)
+            else:
+                spans.append(RegionSpan(j, lo, hi))
+        self.spans: tuple[RegionSpan, ...] = tuple(spans)
 
 
 def local(base: list[tuple[int, int]] | None, at: int) -> int:

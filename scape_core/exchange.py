@@ -85,7 +85,8 @@ def stage_all(state: "ScapeStateBase", record: StepRecord) -> None:
     shape = state.layout.mask_shape(record.density)
     record.staging = state.buckets.staging(tuple(x.bucket for x in record.exchanges), shape, record.base)
     record.send, finite = state.kernels.stage([x.buffer for x in record.exchanges], state.residual_buffer,
-                                              record.entries, record.staging.pieces)
+                                              record.entries, state.buckets.row_shift, record.staging.spans,
+                                              state.layout.chunk)
     for x, verdict in zip(record.exchanges, finite.unbind()):
         x.finite = verdict
 
@@ -158,8 +159,8 @@ def finish_eager(state: "ScapeStateBase", record: StepRecord, reduced: Tensor, k
 
 def finish_compiled(state: "ScapeStateBase", record: StepRecord, reduced: Tensor, kept: Tensor | None) -> None:
     """:func:`finish_eager` compiled: every region in one pass (:func:`scape_core.kernels.finish_pass`)."""
-    pieces, exchanges = record.staging.pieces, record.exchanges
-    ok, good = state.kernels.verdicts(reduced, pieces, len(exchanges))
+    spans, exchanges = record.staging.spans, record.exchanges
+    ok = state.kernels.verdicts(reduced, spans, len(exchanges))
     if state.residual_buffer is not None:  # e_r += g_r where the region went through, a graph of its own
         residuals, grads, keep = [], [], []
         for j, x in enumerate(exchanges):
@@ -171,7 +172,8 @@ def finish_compiled(state: "ScapeStateBase", record: StepRecord, reduced: Tensor
         state.kernels.residual(residuals, grads, keep, hash(tuple(x.bucket.names for x in exchanges)))
     torch._foreach_zero_([x.buffer for x in exchanges])  # outside the graph: in place (finish_pass)
     record.values = state.kernels.finish([x.buffer for x in exchanges], state.residual_buffer, record.entries,
-                                         reduced, kept, ok, good, pieces)
+                                         reduced, kept, ok, state.buckets.row_shift, spans,
+                                         state.layout.chunk)
     record.finite.extend(ok.unbind())
 
 

@@ -39,8 +39,8 @@ from scape_core.wire import WirePlan
 
 KERNELS = ("eager", "compiled")
 
-# the two coordinate frames the passes index: a region's (DDP bucket, FSDP2 group output) and a parameter's
-Piece = tuple[int, int, int, int]  # RegionPiece (region, lo, hi, shift) or ParamPiece (param, lo, hi, start)
+Piece = tuple[int, int, int, int]  # a parameter's entries (ParamPiece: param, lo, hi, start)
+Span = tuple[int, int, int]  # a region's entries (RegionSpan: region, lo, hi), at flat index + row shift
 
 
 def compile_kernel(fn: Callable, name: str) -> Callable:
@@ -154,26 +154,34 @@ def pick_pass(m: Tensor, synced_at: Tensor, before: Tensor, excluded: Tensor | N
     return cols.to(torch.int16), entries
 
 
-def stage_pass(buffers: list[Tensor], residual: Tensor | None, entries: Tensor,
-               pieces: Sequence[Piece]) -> tuple[Tensor, Tensor]:
+def positions_in_regions(entries: Tensor, row_shift: Tensor, chunk: int) -> Tensor:
+    """Where flat ``entries`` sit in their regions' buffers: each plus its row's shift (int64)."""
+    return entries.long() + row_shift.index_select(0, entries // chunk)
+
+
+def stage_pass(buffers: list[Tensor], residual: Tensor | None, entries: Tensor, row_shift: Tensor,
+               spans: Sequence[Span], chunk: int) -> tuple[Tensor, Tensor]:
     """A sparse step's compact buffer from every bucket at once: ``g + e`` at the mask's entries (fp32,
     in entry order), NaN where this rank's bucket is not finite; returns it and the buckets' verdicts.
-    ``pieces``: :attr:`scape_core.buckets.Staging.pieces` (:class:`~scape_core.buckets.RegionPiece`)."""
+    ``spans``: :attr:`scape_core.buckets.Staging.spans`; ``row_shift``:
+    :attr:`~scape_core.buckets.Buckets.row_shift`."""
     finite = torch.stack([torch.isfinite(b).all() for b in buffers])
-    picked = torch.cat([buffers[j].index_select(0, entries[lo:hi] - shift).float() for j, lo, hi, shift in pieces])
-    if residual is not None:
-        picked = picked + residual.view(-1).index_select(0, entries)
-    clean = torch.cat([finite[j].expand(hi - lo) for j, lo, hi, _ in pieces])
-    return picked.masked_fill(~clean, float("nan")), finite
+    at = positions_in_regions(entries, row_shift, chunk)
+    parts = []
+    for j, lo, hi in spans:  # per span: in a graph, a per-entry mask (a cat of expanded verdicts) is 4x slower
+        part = buffers[j].index_select(0, at[lo:hi]).float()
+        if residual is not None:
+            part = part + residual.view(-1).index_select(0, entries[lo:hi])
+        parts.append(torch.where(finite[j], part, float("nan")))
+    return torch.cat(parts), finite
 
 
-def verdict_pass(reduced: Tensor, pieces: Sequence[Piece], buckets: int) -> tuple[Tensor, Tensor]:
-    """Per bucket: whether its exchanged entries are all finite (on every rank); and that per entry."""
+def verdict_pass(reduced: Tensor, spans: Sequence[Span], buckets: int) -> Tensor:
+    """Per bucket: whether its exchanged entries are all finite (on every rank)."""
     by_bucket: list[list[Tensor]] = [[] for _ in range(buckets)]
-    for j, lo, hi, _ in pieces:
+    for j, lo, hi in spans:
         by_bucket[j].append(torch.isfinite(reduced[lo:hi]).all())
-    ok = torch.stack([torch.stack(v).all() for v in by_bucket])
-    return ok, torch.cat([ok[j].expand(hi - lo) for j, lo, hi, _ in pieces])
+    return torch.stack([torch.stack(v).all() for v in by_bucket])
 
 
 def residual_pass(residuals: list[Tensor], grads: list[Tensor], keep: list[Tensor]) -> None:
@@ -186,13 +194,15 @@ def residual_pass(residuals: list[Tensor], grads: list[Tensor], keep: list[Tenso
 
 
 def finish_pass(buffers: list[Tensor], residual: Tensor | None, entries: Tensor, reduced: Tensor,
-                kept: Tensor | None, ok: Tensor, good: Tensor, pieces: Sequence[Piece]) -> Tensor:
+                kept: Tensor | None, ok: Tensor, good: Tensor, row_shift: Tensor, spans: Sequence[Span],
+                chunk: int) -> Tensor:
     """After the exchange, the residual's add of the gradients and the buckets' zeroing, every bucket
     at once: the residual keeps ``kept`` (or 0) at the entries of buckets that went through
     (``good``, per entry; ``ok``, per bucket), plus their means if the step is skipped (a bucket not
     ``ok``); every bucket gets the mean at the mask's entries. Returns the means (fp32; 0 in a
-    dropped bucket). As :func:`scape_core.exchange.finish_region`. ``entries`` may be int32 (a mask's
-    narrow entries, :meth:`~scape_core.masks.Mask.flat`), as in every pass that takes them.
+    dropped bucket). As
+    :func:`scape_core.exchange.finish_region`. ``entries`` may be int32 (a mask's narrow entries,
+    :meth:`~scape_core.masks.Mask.flat`), as in every pass that takes them.
 
     The residual's add is a graph of its own (:func:`residual_pass`) and the zeroing an eager
     multi-tensor operator. In this graph an add into each parameter's slice of the residual (which
@@ -201,15 +211,15 @@ def finish_pass(buffers: list[Tensor], residual: Tensor | None, entries: Tensor,
     and then written at the entries in one graph is written through a temporary of its size,
     copied back at the end (inductor's generated code).
     """
-    entries = entries.long()  # index_copy_ takes int64 (a compiled pass converts as it reads)
     mean = torch.where(good, reduced, 0.0)
-    if residual is not None:
-        flat = residual.view(-1)
+    if residual is not None:  # one write: several index_copy_ into one input would go through a copy of it
+        flat, index = residual.view(-1), entries.long()  # index_copy_ takes int64 (converted as it reads)
         returned = torch.where(ok.all(), 0.0, mean)  # a skipped step: what was exchanged goes back
         now = returned if kept is None else kept + returned
-        flat.index_copy_(0, entries, torch.where(good, now, flat.index_select(0, entries)))
-    for j, lo, hi, shift in pieces:
-        buffers[j].index_copy_(0, entries[lo:hi] - shift, mean[lo:hi].to(buffers[j].dtype))
+        flat.index_copy_(0, index, torch.where(good, now, flat.index_select(0, index)))
+    at = positions_in_regions(entries, row_shift, chunk)
+    for j, lo, hi in spans:
+        buffers[j].index_copy_(0, at[lo:hi], mean[lo:hi].to(buffers[j].dtype))
     return mean.float()
 
 
@@ -391,24 +401,26 @@ class Kernels:
         return self._fn("pick", pick_pass, key)(m, synced_at, before, excluded, shape.k, short, shape.widest,
                                                 entry_rows, layout.index_dtype)
 
-    def stage(self, buffers: list[Tensor], residual: Tensor | None, entries: Tensor,
-              pieces: Sequence[Piece]) -> tuple[Tensor, Tensor]:
+    def stage(self, buffers: list[Tensor], residual: Tensor | None, entries: Tensor, row_shift: Tensor,
+              spans: Sequence[Span], chunk: int) -> tuple[Tensor, Tensor]:
         """:func:`stage_pass`: the step's compact buffer and each bucket's verdict (compiled only)."""
-        return self._fn("stage", stage_pass, hash(pieces))(buffers, residual, entries, pieces)
+        return self._fn("stage", stage_pass, hash(spans))(buffers, residual, entries, row_shift, spans, chunk)
 
     def residual(self, residuals: list[Tensor], grads: list[Tensor], keep: list[Tensor], key: Any) -> None:
         """:func:`residual_pass` (compiled only; ``key``: the bucket structure, one compiled copy each)."""
         self._fn("residual", residual_pass, key)(residuals, grads, keep)
 
-    def verdicts(self, reduced: Tensor, pieces: Sequence[Piece], buckets: int) -> tuple[Tensor, Tensor]:
+    def verdicts(self, reduced: Tensor, spans: Sequence[Span], buckets: int) -> Tensor:
         """:func:`verdict_pass` (compiled only)."""
-        return self._fn("verdicts", verdict_pass, hash(pieces))(reduced, pieces, buckets)
+        return self._fn("verdicts", verdict_pass, hash(spans))(reduced, spans, buckets)
 
     def finish(self, buffers: list[Tensor], residual: Tensor | None, entries: Tensor, reduced: Tensor,
-               kept: Tensor | None, ok: Tensor, good: Tensor, pieces: Sequence[Piece]) -> Tensor:
-        """:func:`finish_pass` (compiled only)."""
-        return self._fn("finish", finish_pass, hash(pieces))(buffers, residual, entries, reduced, kept, ok, good,
-                                                             pieces)
+               kept: Tensor | None, ok: Tensor, row_shift: Tensor, spans: Sequence[Span], chunk: int) -> Tensor:
+        """:func:`finish_pass` (compiled only; each entry's region verdict spread outside the graph, where a
+        concatenation of expanded verdicts is one fill per span instead of a branch per entry)."""
+        good = torch.cat([ok[j].expand(hi - lo) for j, lo, hi in spans])
+        return self._fn("finish", finish_pass, hash(spans))(buffers, residual, entries, reduced, kept, ok, good,
+                                                            row_shift, spans, chunk)
 
     # both modes: the eager form is the same function, run as torch operators
     def gather(self, grads: list[Tensor], entries: Tensor, pieces: Sequence[Piece]) -> Tensor:

@@ -60,9 +60,10 @@ def test_the_compiled_finish_writes_the_buckets_and_the_residual_in_place():
     residual = torch.randn(s["m"].shape)
     entries = s["entries"]
     reduced = torch.randn(entries.numel())
-    good = torch.ones(entries.numel(), dtype=torch.bool)
+    row_shift = torch.tensor([0, 0] + [-2 * 64] * 4)  # each parameter its own region, from its offset 0
+    spans = tuple((i, lo, hi) for i, lo, hi, _ in s["pieces"])
     mean, code = run_and_get_code(kernels.finish, buffers, residual, entries, reduced, None,
-                                  torch.tensor([True, True]), good, s["pieces"])
+                                  torch.tensor([True, True]), row_shift, spans, 64)
     mutated = {b.numel() for b in buffers} | {residual.numel()}
     assert code and not temporaries(code) & mutated, temporaries(code)
     assert torch.equal(residual.view(-1)[entries], torch.zeros(entries.numel()))  # what was sent left it
