@@ -300,9 +300,9 @@ def _score_traffic(args: tuple, kwargs: dict, out: Any) -> tuple[int, int]:
 
 
 def _gather_traffic(args: tuple, kwargs: dict, out: Any) -> tuple[int, int]:
-    grads, entries, pieces = args  # reads the index and the indexed values only
+    grads, entries, row_start, _, pieces = args  # reads the index (its rows' starts: a table) and the values only
     picked = sum((hi - lo) * grads[i].element_size() for i, lo, hi, _ in pieces)
-    return nbytes(entries) + picked, nbytes(out)
+    return nbytes(entries) + nbytes(row_start) + picked, nbytes(out)
 
 
 def _masked_update_traffic(args: tuple, kwargs: dict, out: Any) -> tuple[int, int]:
@@ -313,9 +313,9 @@ def _masked_update_traffic(args: tuple, kwargs: dict, out: Any) -> tuple[int, in
 
 
 def _update_traffic(args: tuple, kwargs: dict, out: Any) -> tuple[int, int]:
-    params, entries, u, scale, pieces = args  # the entries of the parameters read and written
+    params, entries, u, scale, row_start, _, pieces = args  # the entries of the parameters read and written
     picked = sum((hi - lo) * params[i].element_size() for i, lo, hi, _ in pieces)
-    return nbytes([entries, u, *scale]) + picked, picked
+    return nbytes([entries, u, row_start, *scale]) + picked, picked
 
 
 def _decay_traffic(params: list[torch.Tensor], decay: list[torch.Tensor | None]) -> tuple[int, int]:
@@ -331,9 +331,9 @@ def _stage_traffic(args: tuple, kwargs: dict, out: Any) -> tuple[int, int]:
 
 
 def _sparse_step_traffic(args: tuple, kwargs: dict, out: Any) -> tuple[int, int]:
-    _, params, grads, momentum, statistics, windows, entries, applied, step, decay, pieces, *_ = args
+    _, params, grads, momentum, statistics, windows, entries, applied, step, decay, row_start, chunk, pieces, *_ = args
     # the gather and the rule, each at what it touches, and the decay; returns u
-    gather = _gather_traffic((grads, entries, pieces), {}, torch.empty(0))[0]
+    gather = _gather_traffic((grads, entries, row_start, chunk, pieces), {}, torch.empty(0))[0]
     touched = [b for b in (momentum, *statistics.values(), windows) if b is not None]
     state = entries.numel() * sum(b.element_size() for b in touched)
     decay_read, decay_written = _decay_traffic(params, decay)

@@ -156,7 +156,7 @@ def pick_pass(m: Tensor, synced_at: Tensor, before: Tensor, excluded: Tensor | N
 
 def positions_in_regions(entries: Tensor, row_shift: Tensor, chunk: int) -> Tensor:
     """Where flat ``entries`` sit in their regions' buffers: each plus its row's shift (int64)."""
-    return entries.long() + row_shift.index_select(0, entries // chunk)
+    return entries.long() + row_shift.index_select(0, row_of(entries, chunk))
 
 
 def stage_pass(buffers: list[Tensor], residual: Tensor | None, entries: Tensor, row_shift: Tensor,
@@ -223,11 +223,23 @@ def finish_pass(buffers: list[Tensor], residual: Tensor | None, entries: Tensor,
     return mean.float()
 
 
-def gather_pass(grads: list[Tensor], entries: Tensor, pieces: Sequence[Piece]) -> Tensor:
-    """The gradient at every mask entry (fp32), read from each tensor at ``entries[lo:hi] - start``
-    (``pieces``: :class:`~scape_core.layout.ParamPiece`)."""
-    return torch.cat([grads[i].reshape(-1).index_select(0, entries[lo:hi] - start).float()
-                      for i, lo, hi, start in pieces])
+def row_of(entries: Tensor, chunk: int) -> Tensor:
+    """The layout row of each flat entry (a shift where ``chunk`` is a power of two: the default 4,096;
+    an integer division costs the CPU several times more)."""
+    return entries >> (chunk.bit_length() - 1) if chunk & (chunk - 1) == 0 else entries // chunk
+
+
+def within_parameters(entries: Tensor, row_start: Tensor, chunk: int) -> Tensor:
+    """Each flat entry's index in its own parameter (``row_start``: :attr:`~scape_core.layout.FlatLayout.row_start`)."""
+    return entries - row_start.index_select(0, row_of(entries, chunk))
+
+
+def gather_pass(grads: list[Tensor], entries: Tensor, row_start: Tensor, chunk: int,
+                pieces: Sequence[Piece]) -> Tensor:
+    """The gradient at every mask entry (fp32), read from each tensor where its entries fall
+    (``pieces``: :class:`~scape_core.layout.ParamPiece`): one index per parameter's piece."""
+    at = within_parameters(entries, row_start, chunk)
+    return torch.cat([grads[i].reshape(-1).index_select(0, at[lo:hi]).float() for i, lo, hi, _ in pieces])
 
 
 def decay_pass(params: list[Tensor], decay: list[Tensor | None]) -> None:
@@ -246,17 +258,24 @@ def decay_pass(params: list[Tensor], decay: list[Tensor | None]) -> None:
         torch._foreach_mul_(members, d)
 
 
-def update_pass(params: list[Tensor], entries: Tensor, u: Tensor, scale: list[Tensor],
-                pieces: Sequence[Piece]) -> None:
-    """``theta[j] += scale * u[j]`` at the entries, in place.
+def update_pass(params: list[Tensor], entries: Tensor, u: Tensor, scale: list[Tensor], row_start: Tensor,
+                chunk: int, pieces: Sequence[Piece]) -> None:
+    """``theta[j] += scale * u[j]`` at the entries, in place (``scale * u`` once per parameter group's
+    scale, then one indexed add per parameter's piece).
 
     A pass of its own, not the decay's: in one graph, an in-place multiply and then an indexed add
     into the same tensor is compiled into a copy of the whole tensor written back at the end
     (seen in inductor's generated code: 8 B/param more), each alone is in place.
     """
-    for i, lo, hi, start in pieces:
+    at = within_parameters(entries, row_start, chunk)
+    scaled: list[tuple[Tensor, Tensor]] = []  # (a group's scale, u times it)
+    for i, lo, hi, _ in pieces:
+        step = next((v for s, v in scaled if s is scale[i]), None)
+        if step is None:
+            step = u * scale[i]
+            scaled.append((scale[i], step))
         p = params[i].view(-1)
-        p.index_add_(0, entries[lo:hi] - start, (u[lo:hi] * scale[i]).to(p.dtype))
+        p.index_add_(0, at[lo:hi], step[lo:hi].to(p.dtype))
 
 
 def masked_update_pass(rule: Any, momentum: Tensor, statistics: dict[str, Tensor], windows: Tensor | None,
@@ -284,13 +303,13 @@ def masked_update_pass(rule: Any, momentum: Tensor, statistics: dict[str, Tensor
 
 def sparse_step_pass(rule: Any, params: list[Tensor], grads: list[Tensor], momentum: Tensor,
                      statistics: dict[str, Tensor], windows: Tensor | None, entries: Tensor, applied: Tensor,
-                     step: Tensor, decay: list[Tensor | None], pieces: Sequence[Piece],
-                     beta1: float, beta2: float, eps: float) -> Tensor:
+                     step: Tensor, decay: list[Tensor | None], row_start: Tensor, chunk: int,
+                     pieces: Sequence[Piece], beta1: float, beta2: float, eps: float) -> Tensor:
     """A replicated sparse step's optimizer half but the update: the window sums read from ``p.grad``
     (:func:`gather_pass`), the rule (:func:`masked_update_pass`) and the decay (:func:`decay_pass`);
     returns ``u`` for :func:`update_pass`. (A skipped step's exchanged values went back into the
     residual in :func:`finish_pass`.)"""
-    s = gather_pass(grads, entries, pieces)
+    s = gather_pass(grads, entries, row_start, chunk, pieces)
     u = masked_update_pass(rule, momentum, statistics, windows, entries, s, applied, step, beta1, beta2, eps)
     decay_pass(params, decay)
     return u
@@ -423,28 +442,30 @@ class Kernels:
                                                             row_shift, spans, chunk)
 
     # both modes: the eager form is the same function, run as torch operators
-    def gather(self, grads: list[Tensor], entries: Tensor, pieces: Sequence[Piece]) -> Tensor:
+    def gather(self, grads: list[Tensor], entries: Tensor, layout: FlatLayout, pieces: Sequence[Piece]) -> Tensor:
         """:func:`gather_pass`: the gradients at the mask's entries, read in place."""
-        return self._fn("gather", gather_pass, hash(pieces))(grads, entries, pieces)
+        return self._fn("gather", gather_pass, hash(pieces))(grads, entries, layout.row_start, layout.chunk, pieces)
 
     def update(self, params: list[Tensor], entries: Tensor, u: Tensor, decay: list[Tensor | None],
-               scale: list[Tensor], pieces: Sequence[Piece]) -> None:
+               scale: list[Tensor], layout: FlatLayout, pieces: Sequence[Piece]) -> None:
         """:func:`decay_pass` and :func:`update_pass`: decay every coordinate, add ``scale * u`` at the
         entries (two passes)."""
         self._fn("decay", decay_pass, tuple(d is None for d in decay))(params, decay)
-        self._fn("update", update_pass, hash(pieces))(params, entries, u, scale, pieces)
+        self._fn("update", update_pass, hash(pieces))(params, entries, u, scale, layout.row_start, layout.chunk,
+                                                      pieces)
 
     def sparse_step(self, rule: Any, params: list[Tensor], grads: list[Tensor], momentum: Tensor,
                     statistics: dict[str, Tensor], windows: Tensor | None, entries: Tensor, applied: Tensor,
-                    step: int, decay: list[Tensor | None], scale: list[Tensor], pieces: Sequence[Piece],
-                    **hp: float) -> None:
+                    step: int, decay: list[Tensor | None], scale: list[Tensor], layout: FlatLayout,
+                    pieces: Sequence[Piece], **hp: float) -> None:
         """:func:`sparse_step_pass` and :func:`update_pass` (replicated state, every parameter with a
         gradient)."""
         at = self.scalar("step", step, entries.device, torch.float32)  # windows are fp32
         run = self._fn("sparse_step", sparse_step_pass, hash(pieces))
-        u = run(rule, params, grads, momentum, statistics, windows, entries, applied, at, decay, pieces,
-                hp["beta1"], hp["beta2"], hp["eps"])
-        self._fn("update", update_pass, hash(pieces))(params, entries, u, scale, pieces)
+        u = run(rule, params, grads, momentum, statistics, windows, entries, applied, at, decay, layout.row_start,
+                layout.chunk, pieces, hp["beta1"], hp["beta2"], hp["eps"])
+        self._fn("update", update_pass, hash(pieces))(params, entries, u, scale, layout.row_start, layout.chunk,
+                                                      pieces)
 
     def masked_update(self, rule: Any, momentum: Tensor, statistics: dict[str, Tensor], windows: Tensor | None,
                       local: Tensor, s: Tensor, applied: Tensor, step: int, **hp: float) -> Tensor:

@@ -131,6 +131,9 @@ class FlatLayout:
         self.full_rows = torch.tensor(full, dtype=torch.long, device=self.device)
         self.partial_rows = torch.tensor(partial, dtype=torch.long, device=self.device)
         self.row_base = torch.arange(self.rows, device=self.device) * chunk  # flat index of each row's start
+        # flat index of the first coordinate of each row's parameter: an entry minus its row's is its index there
+        self.row_start = torch.tensor([self.first_row[n] * chunk for n in self.numel for _ in range(self.nrows[n])],
+                                      dtype=torch.long, device=self.device)
         lens = torch.tensor(self.partial_len, dtype=torch.long, device=self.device)
         self.padding = torch.arange(chunk, device=self.device) >= lens[:, None]  # (partial rows, chunk)
         # where each parameter's rows sit in a mask's entries: full rows first, then the shorter ones

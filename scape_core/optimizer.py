@@ -308,11 +308,12 @@ class ScapeAdamS(AdamS):
         decay, scale = self._decay_and_scale(groups, skip, entries.device)
         if not scape.sharded:
             scape.kernels.sparse_step(self.rule, values, grads, self.momentum_buffer, self.statistics,
-                                      scape.window_buffer, entries, ~skip, scape.step, decay, scale, pieces, **hp)
+                                      scape.window_buffer, entries, ~skip, scape.step, decay, scale, scape.layout,
+                                      pieces, **hp)
             return
-        s = scape.kernels.gather(grads, entries, pieces)  # read in place from p.grad
+        s = scape.kernels.gather(grads, entries, scape.layout, pieces)  # read in place from p.grad
         u = self._masked_update(mask, s, ~skip, hp)
-        scape.kernels.update(values, entries, u, decay, scale, pieces)
+        scape.kernels.update(values, entries, u, decay, scale, scape.layout, pieces)
 
     def _decay_and_scale(self, groups: list[tuple[dict[str, Any], list[Tensor]]], skip: Tensor,
                          device: torch.device) -> tuple[list[Tensor | None], list[Tensor]]:

@@ -14,6 +14,7 @@ import torch
 from torch._inductor.utils import run_and_get_code
 
 from scape_core.kernels import Kernels
+from scape_core.layout import FlatLayout
 from scape_core.update_rules import UPDATE_RULES
 
 ALLOCATION = re.compile(r"empty_strided_\w+\(\((\d+), \)")
@@ -34,7 +35,8 @@ def setup(rows: int = 6, chunk: int = 64, k: int = 5) -> dict:
     split = 2 * k  # the first two rows' entries belong to the first parameter
     pieces = ((0, 0, split, 0), (1, split, entries.numel(), 2 * chunk))
     state = {name: torch.rand(rows, chunk) for name in ("m", "sq", "windows")}
-    return dict(params=params, grads=grads, entries=entries, pieces=pieces, **state)
+    layout = FlatLayout({"a": params[0], "b": params[1]}, chunk=chunk)  # rows 0-1 and 2-5
+    return dict(params=params, grads=grads, entries=entries, pieces=pieces, layout=layout, **state)
 
 
 @pytest.mark.parametrize("decay", [0.9, None])
@@ -46,8 +48,8 @@ def test_the_compiled_sparse_step_updates_parameters_and_state_in_place(decay):
     before = [p.clone() for p in s["params"]]
     _, code = run_and_get_code(
         kernels.sparse_step, UPDATE_RULES["linear"], s["params"], s["grads"], s["m"], {"sq": s["sq"]},
-        s["windows"], s["entries"], torch.tensor(True), 7, factors, scale, s["pieces"], beta1=0.9, beta2=0.95,
-        eps=1e-8)
+        s["windows"], s["entries"], torch.tensor(True), 7, factors, scale, s["layout"], s["pieces"], beta1=0.9,
+        beta2=0.95, eps=1e-8)
     mutated = {p.numel() for p in s["params"]} | {s["m"].numel()}
     assert code and not temporaries(code) & mutated, temporaries(code)
     assert all(not torch.equal(p, b) for p, b in zip(s["params"], before))  # it did update them
