@@ -220,16 +220,17 @@ INDEX_OPS = {"index_select", "index_copy_", "index_add_", "index_put_", "_index_
 
 
 def index_work(model: Any, opt: Any, data: Any, steps: int) -> dict[str, float]:
-    """Per step of ``steps`` profiled ones (every thread: gloo's callbacks too): the self CPU ms of the
-    index operators, and of the wire's passes (timed as the ``wire`` component)."""
+    """The median over ``steps`` steps, each profiled alone (every thread: gloo's callbacks too), of the
+    self CPU ms of the index operators, and of the wire's passes (timed as the ``wire`` component)."""
     from torch.profiler import ProfilerActivity, profile
 
-    wire = 0.0
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        for _ in range(steps):
-            wire += step(model, opt, *next(data))["cpu"]["wire"]
-    ops = sum(e.self_cpu_time_total for e in prof.key_averages() if e.key.removeprefix("aten::") in INDEX_OPS)
-    return {"index_ops": ops / 1000 / steps, "wire": 1000 * wire / steps}
+    ops, wire = [], []
+    for _ in range(steps):
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            wire.append(1000 * step(model, opt, *next(data))["cpu"]["wire"])
+        ops.append(sum(e.self_cpu_time_total for e in prof.key_averages()
+                       if e.key.removeprefix("aten::") in INDEX_OPS) / 1000)
+    return {"index_ops": median(ops), "wire": median(wire)}
 
 
 def report(res: dict[str, Any], args: argparse.Namespace) -> str:
@@ -275,8 +276,8 @@ def index_report(per_rank: list[dict[str, dict[str, float]]], steps: int) -> str
     """The index work per SCAPE method (mean of the ranks), and against the same method with ``topk``."""
     names = list(per_rank[0])
     mean = {n: {k: sum(r[n][k] for r in per_rank) / len(per_rank) for k in ("index_ops", "wire")} for n in names}
-    lines = [f"Index work over the entries (torch.profiler, {steps} steps per method, every thread, mean of the "
-             "ranks; CPU ms per step): the index operators' self time, and the wire's passes",
+    lines = [f"Index work over the entries (torch.profiler, median of {steps} steps per method, every thread, mean "
+             "of the ranks; CPU ms per step): the index operators' self time, and the wire's passes",
              "", "| method | index operators | wire passes | both | both / the same method with topk |",
              "|---|---|---|---|---|"]
     for n in names:
@@ -307,7 +308,7 @@ def main() -> None:
     p.add_argument("--profile", action="store_true", help="also profile two SCAPE 99%% steps (torch.profiler)")
     p.add_argument("--index-work", action="store_true",
                    help="also profile --index-steps steps of each SCAPE method: the index operators and the wire")
-    p.add_argument("--index-steps", type=int, default=3)
+    p.add_argument("--index-steps", type=int, default=7)
     p.add_argument("--timeout", type=float, default=420)
     p.add_argument("--json", default=str(RESULTS / "overhead_bench.json"))
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
