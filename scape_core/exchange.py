@@ -44,6 +44,21 @@ if TYPE_CHECKING:
     from scape_core.state import ScapeStateBase
 
 
+def all_finite(x: Tensor) -> Tensor:
+    """Whether every value of ``x`` is finite, a 0-dim bool on its device: from its minimum and maximum
+    (NaN propagates, either infinity shows at an end; no fp16 overflow), one pass that writes nothing
+    (``isfinite(x).all()`` writes a mask first: 4.5 ms against 0.3 for 1.9M values on this CPU).
+
+    Example:
+        >>> all_finite(torch.tensor([1.0, -2.0])), all_finite(torch.tensor([1.0, float("-inf")]))
+        (tensor(True), tensor(False))
+    """
+    if not x.numel():
+        return torch.ones((), dtype=torch.bool, device=x.device)
+    lo, hi = torch.aminmax(x)
+    return torch.isfinite(lo) & torch.isfinite(hi)
+
+
 def stage(state: "ScapeStateBase", record: StepRecord, region: BucketPlan, buffer: Tensor,
           spans: list[tuple[int, int]], last: bool = True) -> Exchange:
     """Put ``region``'s part of ``a_r[M]`` into ``record.send`` at ``spans`` (eager; ``last``, whether
@@ -55,8 +70,7 @@ def stage(state: "ScapeStateBase", record: StepRecord, region: BucketPlan, buffe
     """
     entries = gather_spans(record.entries, spans)
     positions = state.buckets.positions(entries)
-    lo, hi = torch.aminmax(buffer)
-    finite = torch.isfinite(lo) & torch.isfinite(hi)  # NaN propagates, +-inf stays; no fp16 overflow
+    finite = all_finite(buffer)
     picked = buffer.index_select(0, positions).float()
     before = None
     if state.residual_buffer is not None:  # kept for the finish: a dropped region's entries get it back
@@ -150,7 +164,7 @@ def finish(state: "ScapeStateBase", record: StepRecord, reduced: Tensor, kept: T
 def finish_eager(state: "ScapeStateBase", record: StepRecord, reduced: Tensor, kept: Tensor | None) -> None:
     """The reference: each region's verdict, then :func:`finish_region` for each."""
     parts = [gather_spans(reduced, x.spans) for x in record.exchanges]
-    oks = [torch.isfinite(part).all() for part in parts]
+    oks = [all_finite(part) for part in parts]
     step_ok = torch.stack(oks).all()
     for x, part, ok in zip(record.exchanges, parts, oks):
         kept_here = None if kept is None else gather_spans(kept, x.spans)
@@ -205,7 +219,7 @@ def finish_region(state: "ScapeStateBase", record: StepRecord, exchange: Exchang
 
 def finish_dense(record: StepRecord, buffer: Tensor) -> Tensor:
     """After a dense all-reduce the region holds the mean; its finiteness decides the step."""
-    record.finite.append(torch.isfinite(buffer).all())
+    record.finite.append(all_finite(buffer))
     return buffer
 
 
