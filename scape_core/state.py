@@ -346,10 +346,11 @@ class ScapeState(ScapeStateBase):
     - ``shard_optimizer``: ZeRO-1: ``m``, statistics and windows for this rank's block of rows
       only, for more bytes per step; bit-identical to the replicated mode.
     - ``kernels``: ``"compiled"`` runs the passes over every coordinate as ``torch.compile``'d
-      fused loops (:mod:`scape_core.kernels`): about half the memory traffic of a sparse step and
-      a fixed number of operators whatever the buckets, for a compile in the first steps.
-    - Build DDP with ``gradient_as_bucket_view=True`` where you can: the optimizer reads and
-      writes the synchronized gradients in DDP's buckets (otherwise it first copies them there).
+      fused loops (:mod:`scape_core.kernels`), the mask's pick among them: about a quarter of the
+      memory traffic of a sparse step and a fixed number of operators whatever the buckets, for a
+      compile in the first steps.
+    - Build DDP with ``gradient_as_bucket_view=True`` where you can: ``p.grad`` is then the
+      bucket's memory, which the hook writes, and DDP skips copying every bucket into ``p.grad``.
 
     The residual and the windows are flat ``(rows, chunk)`` fp32 buffers (:mod:`scape_core.layout`)
     with a view per parameter name: checkpoints stay keyed by name, never by DDP bucket.
