@@ -10,7 +10,6 @@ dense DDP + AdamS and with SCAPE (90%, 99%), interleaved. SCAPE's pieces are tim
     selection   MaskSelector.choose: score and top-k (and, for scores that read the
                 residual, launch the mask all-gather); plus finish_pending: wait for it
     optimizer   the update itself (ScapeAdamS._sparse, or AdamS.step for dense)
-
     wire        an encoded wire's passes (encode, the owner's mean, decode; inside the hook)
 
 Overhead = hook + selection per step, as a fraction of the median dense DDP step (target

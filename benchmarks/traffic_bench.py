@@ -301,7 +301,7 @@ def _score_traffic(args: tuple, kwargs: dict, out: Any) -> tuple[int, int]:
 
 def _gather_traffic(args: tuple, kwargs: dict, out: Any) -> tuple[int, int]:
     grads, entries, row_start, _, pieces = args  # reads the index (its rows' starts: a table) and the values only
-    picked = sum((hi - lo) * grads[i].element_size() for i, lo, hi, _ in pieces)
+    picked = sum((hi - lo) * grads[i].element_size() for i, lo, hi in pieces)
     return nbytes(entries) + nbytes(row_start) + picked, nbytes(out)
 
 
@@ -314,7 +314,7 @@ def _masked_update_traffic(args: tuple, kwargs: dict, out: Any) -> tuple[int, in
 
 def _update_traffic(args: tuple, kwargs: dict, out: Any) -> tuple[int, int]:
     params, entries, u, scale, row_start, _, pieces = args  # the entries of the parameters read and written
-    picked = sum((hi - lo) * params[i].element_size() for i, lo, hi, _ in pieces)
+    picked = sum((hi - lo) * params[i].element_size() for i, lo, hi in pieces)
     return nbytes([entries, u, row_start, *scale]) + picked, picked
 
 

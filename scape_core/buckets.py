@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from scape_core import wire
-from scape_core.layout import FlatLayout, MaskShape, gather_spans, scatter_spans
+from scape_core.layout import FlatLayout, MaskShape, gather_spans, row_of, scatter_spans
 from scape_core.masks import Mask
 
 
@@ -121,9 +121,8 @@ class Buckets:
         return self._staging[key]
 
     def positions(self, entries: Tensor) -> Tensor:
-        """Where the flat ``entries`` sit in their buckets' buffers."""
-        rows = torch.div(entries, self.layout.chunk, rounding_mode="floor")
-        return entries + self.row_shift.index_select(0, rows)
+        """Where the flat ``entries`` sit in their buckets' buffers (:func:`positions_in_regions`)."""
+        return positions_in_regions(entries, self.row_shift, self.layout.chunk)
 
     def wire_plan(self, entries: int) -> wire.WirePlan:
         """The shape of a compact buffer of ``entries`` values on this run's encoded wire (built once)."""
@@ -135,6 +134,17 @@ class Buckets:
         """The residual buffer was replaced (a loaded state): views are resolved again at the next step."""
         for plan in self.plans.values():
             plan.residual_views = None
+
+
+def positions_in_regions(entries: Tensor, row_shift: Tensor, chunk: int) -> Tensor:
+    """Where flat ``entries`` sit in their regions' buffers: each plus its row's shift
+    (:attr:`Buckets.row_shift`), int64. Torch operators only: the compiled passes call it too.
+
+    Example:
+        >>> positions_in_regions(torch.tensor([1, 9], dtype=torch.int32), torch.tensor([5, -8]), chunk=8)
+        tensor([6, 1])
+    """
+    return entries.long() + row_shift.index_select(0, row_of(entries, chunk))
 
 
 class RegionSpan(NamedTuple):

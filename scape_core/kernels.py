@@ -33,13 +33,14 @@ import torch
 from torch import Tensor
 
 from scape_core import wire
-from scape_core.layout import FlatLayout, MaskShape, short_group_index
+from scape_core.buckets import positions_in_regions
+from scape_core.layout import FlatLayout, MaskShape, row_of, short_group_index
 from scape_core.masks import excluded_key
 from scape_core.wire import WirePlan
 
 KERNELS = ("eager", "compiled")
 
-Piece = tuple[int, int, int, int]  # a parameter's entries (ParamPiece: param, lo, hi, start)
+Piece = tuple[int, int, int]  # a parameter's entries (ParamPiece: param, lo, hi)
 Span = tuple[int, int, int]  # a region's entries (RegionSpan: region, lo, hi), at flat index + row shift
 
 
@@ -154,11 +155,6 @@ def pick_pass(m: Tensor, synced_at: Tensor, before: Tensor, excluded: Tensor | N
     return cols.to(torch.int16), entries
 
 
-def positions_in_regions(entries: Tensor, row_shift: Tensor, chunk: int) -> Tensor:
-    """Where flat ``entries`` sit in their regions' buffers: each plus its row's shift (int64)."""
-    return entries.long() + row_shift.index_select(0, row_of(entries, chunk))
-
-
 def stage_pass(buffers: list[Tensor], residual: Tensor | None, entries: Tensor, row_shift: Tensor,
                spans: Sequence[Span], chunk: int) -> tuple[Tensor, Tensor]:
     """A sparse step's compact buffer from every bucket at once: ``g + e`` at the mask's entries (fp32,
@@ -200,9 +196,8 @@ def finish_pass(buffers: list[Tensor], residual: Tensor | None, entries: Tensor,
     at once: the residual keeps ``kept`` (or 0) at the entries of buckets that went through
     (``good``, per entry; ``ok``, per bucket), plus their means if the step is skipped (a bucket not
     ``ok``); every bucket gets the mean at the mask's entries. Returns the means (fp32; 0 in a
-    dropped bucket). As
-    :func:`scape_core.exchange.finish_region`. ``entries`` may be int32 (a mask's narrow entries,
-    :meth:`~scape_core.masks.Mask.flat`), as in every pass that takes them.
+    dropped bucket). As :func:`scape_core.exchange.finish_region`. ``entries`` may be int32 (a
+    mask's narrow entries, :meth:`~scape_core.masks.Mask.flat`), as in every pass that takes them.
 
     The residual's add is a graph of its own (:func:`residual_pass`) and the zeroing an eager
     multi-tensor operator. In this graph an add into each parameter's slice of the residual (which
@@ -223,12 +218,6 @@ def finish_pass(buffers: list[Tensor], residual: Tensor | None, entries: Tensor,
     return mean.float()
 
 
-def row_of(entries: Tensor, chunk: int) -> Tensor:
-    """The layout row of each flat entry (a shift where ``chunk`` is a power of two: the default 4,096;
-    an integer division costs the CPU several times more)."""
-    return entries >> (chunk.bit_length() - 1) if chunk & (chunk - 1) == 0 else entries // chunk
-
-
 def within_parameters(entries: Tensor, row_start: Tensor, chunk: int) -> Tensor:
     """Each flat entry's index in its own parameter (``row_start``: :attr:`~scape_core.layout.FlatLayout.row_start`)."""
     return entries - row_start.index_select(0, row_of(entries, chunk))
@@ -239,7 +228,7 @@ def gather_pass(grads: list[Tensor], entries: Tensor, row_start: Tensor, chunk: 
     """The gradient at every mask entry (fp32), read from each tensor where its entries fall
     (``pieces``: :class:`~scape_core.layout.ParamPiece`): one index per parameter's piece."""
     at = within_parameters(entries, row_start, chunk)
-    return torch.cat([grads[i].reshape(-1).index_select(0, at[lo:hi]).float() for i, lo, hi, _ in pieces])
+    return torch.cat([grads[i].reshape(-1).index_select(0, at[lo:hi]).float() for i, lo, hi in pieces])
 
 
 def decay_pass(params: list[Tensor], decay: list[Tensor | None]) -> None:
@@ -269,7 +258,7 @@ def update_pass(params: list[Tensor], entries: Tensor, u: Tensor, scale: list[Te
     """
     at = within_parameters(entries, row_start, chunk)
     scaled: list[tuple[Tensor, Tensor]] = []  # (a group's scale, u times it)
-    for i, lo, hi, _ in pieces:
+    for i, lo, hi in pieces:
         step = next((v for s, v in scaled if s is scale[i]), None)
         if step is None:
             step = u * scale[i]

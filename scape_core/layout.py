@@ -27,12 +27,23 @@ MAX_CHUNK = 32_768  # chunk-local columns fit int16
 
 class ParamPiece(NamedTuple):
     """Entries ``[lo, hi)`` of a mask belong to parameter ``param`` (an index into a list of names or
-    tensors); a flat index minus ``start`` is the coordinate's index in the parameter itself."""
+    tensors); a flat index minus its row's :attr:`FlatLayout.row_start` is the coordinate's index in
+    the parameter itself."""
 
     param: int
     lo: int
     hi: int
-    start: int
+
+
+def row_of(entries: Tensor, chunk: int) -> Tensor:
+    """The layout row of each flat index (a shift where ``chunk`` is a power of two, the default 4,096:
+    an integer division costs the CPU several times more).
+
+    Example:
+        >>> row_of(torch.tensor([0, 4095, 4096, 9000]), 4096).tolist(), row_of(torch.tensor([7, 12]), 6).tolist()
+        ([0, 0, 1, 2], [1, 2])
+    """
+    return entries >> (chunk.bit_length() - 1) if chunk & (chunk - 1) == 0 else entries // chunk
 
 
 def topk_count(size: int, density: float) -> int:
@@ -349,23 +360,18 @@ class MaskShape:
 
     def pieces(self, names: list[str]) -> tuple[ParamPiece, ...]:
         """Where each parameter of ``names`` sits among the entries, in entry order: a
-        :class:`ParamPiece` ``(i, lo, hi, start)`` for entries ``[lo, hi)`` of ``names[i]`` (its full
-        rows, then its shorter last row), whose flat index minus ``start`` is the coordinate's index
-        in the parameter itself.
+        :class:`ParamPiece` ``(i, lo, hi)`` for entries ``[lo, hi)`` of ``names[i]`` (its full rows,
+        then its shorter last row).
 
         Example:
             >>> layout = FlatLayout({"w": torch.zeros(20), "b": torch.zeros(3)}, chunk=8)   # rows: 8, 8, 4 | 3
             >>> layout.mask_shape(0.25).pieces(["w", "b"])            # k = 2; the short rows pick 1 each
-            (ParamPiece(param=0, lo=0, hi=5, start=0), ParamPiece(param=1, lo=5, hi=6, start=24))
+            (ParamPiece(param=0, lo=0, hi=5), ParamPiece(param=1, lo=5, hi=6))
         """
         key = tuple(names)
         if key not in self._pieces:  # once per set of parameters: a sparse step asks every time
-            found = []
-            for i, name in enumerate(names):
-                start = self._layout.first_row[name] * self._layout.chunk
-                for lo, hi in self.ranges((name,)):
-                    found.append((lo, i, hi, start))
-            self._pieces[key] = tuple(ParamPiece(i, lo, hi, start) for lo, i, hi, start in sorted(found))
+            found = sorted((lo, i, hi) for i, name in enumerate(names) for lo, hi in self.ranges((name,)))
+            self._pieces[key] = tuple(ParamPiece(i, lo, hi) for lo, i, hi in found)
         return self._pieces[key]
 
     def rows_spans(self, start: int, stop: int) -> list[tuple[int, int]]:

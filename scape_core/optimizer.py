@@ -10,6 +10,7 @@ from torch import Tensor
 from scape_core import checkpoint
 from scape_core.adams import MOMENTUM, AdamS, check_grad
 from scape_core.checkpoint import every_rank_arrives
+from scape_core.layout import row_of
 from scape_core.masks import Mask
 from scape_core.state import ScapeState, ScapeStateBase
 from scape_core.update_rules import UPDATE_RULES
@@ -353,5 +354,4 @@ class ScapeAdamS(AdamS):
         for name in self.scape.params:
             if name not in with_grad:  # rare (unused parameters): one fill each
                 rows[layout.first_row[name]:layout.first_row[name] + layout.nrows[name]] = False
-        owner = torch.div(entries, layout.chunk, rounding_mode="floor")
-        return rows.index_select(0, owner) & keep
+        return rows.index_select(0, row_of(entries, layout.chunk)) & keep

@@ -33,10 +33,11 @@ def setup(rows: int = 6, chunk: int = 64, k: int = 5) -> dict:
     cols = torch.rand(rows, chunk).topk(k, dim=1).indices
     entries = (torch.arange(rows)[:, None] * chunk + cols).view(-1)
     split = 2 * k  # the first two rows' entries belong to the first parameter
-    pieces = ((0, 0, split, 0), (1, split, entries.numel(), 2 * chunk))
+    pieces = ((0, 0, split), (1, split, entries.numel()))
+    starts = (0, 2 * chunk)  # each parameter's first flat index
     state = {name: torch.rand(rows, chunk) for name in ("m", "sq", "windows")}
     layout = FlatLayout({"a": params[0], "b": params[1]}, chunk=chunk)  # rows 0-1 and 2-5
-    return dict(params=params, grads=grads, entries=entries, pieces=pieces, layout=layout, **state)
+    return dict(params=params, grads=grads, entries=entries, pieces=pieces, starts=starts, layout=layout, **state)
 
 
 @pytest.mark.parametrize("decay", [0.9, None])
@@ -63,13 +64,13 @@ def test_the_compiled_finish_writes_the_buckets_and_the_residual_in_place():
     entries = s["entries"]
     reduced = torch.randn(entries.numel())
     row_shift = torch.tensor([0, 0] + [-2 * 64] * 4)  # each parameter its own region, from its offset 0
-    spans = tuple((i, lo, hi) for i, lo, hi, _ in s["pieces"])
+    spans = s["pieces"]  # each parameter its own region
     mean, code = run_and_get_code(kernels.finish, buffers, residual, entries, reduced, None,
                                   torch.tensor([True, True]), row_shift, spans, 64)
     mutated = {b.numel() for b in buffers} | {residual.numel()}
     assert code and not temporaries(code) & mutated, temporaries(code)
     assert torch.equal(residual.view(-1)[entries], torch.zeros(entries.numel()))  # what was sent left it
-    at = [buffers[i][entries[lo:hi] - start] for i, lo, hi, start in s["pieces"]]
+    at = [buffers[i][entries[lo:hi] - s["starts"][i]] for i, lo, hi in s["pieces"]]
     assert torch.equal(torch.cat(at), mean) and torch.equal(mean, reduced)  # the mean at the entries
 
 
