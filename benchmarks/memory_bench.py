@@ -5,8 +5,9 @@ gloo ranks (CPU, one thread each): AdamW, AdamS, torch's ZeroRedundancyOptimizer
 and sharded SCAPE (99%, one dense step, then sparse). Then every tensor reachable from the
 optimizer and from SCAPE's state is counted once per storage (parameters, their gradients and
 DDP's buckets excluded) and divided by the number of parameters: bytes per parameter per rank,
-with the named buffers (m, sq, windows, residual, the CPU's score workspace) and the rest (masks,
-index tensors). SCAPE's counters give the bytes each rank hands to collectives per sparse step,
+with the named buffers (m, sq, windows, residual; the scratch: the CPU's score workspace and the eager
+step's staging buffer, which hold nothing between steps and are not counted as state) and the rest
+(masks, index tensors). SCAPE's counters give the bytes each rank hands to collectives per sparse step,
 by collective; the wire column is a ring's (all-reduce ``2 (W - 1) / W`` of what each rank
 hands, all-gather ``W - 1`` times).
 
@@ -115,11 +116,12 @@ def measure(name: str, base: nn.Module, data: Any) -> dict[str, Any]:
     row: dict[str, Any] = {"params": n, "total": sum(held.values()) / n, "peak": peak / n}
     if state is not None:
         named = {"m": opt.momentum_buffer, **opt.statistics, "windows": state.window_buffer,
-                 "residual": state.residual_buffer, "score workspace": state.selector.scratch}
+                 "residual": state.residual_buffer, "score workspace": state.selector.scratch,
+                 "staging": state.staging_buffer}
         for key, t in named.items():
             row[key] = held.pop(t.untyped_storage().data_ptr(), 0) / n if t is not None else 0.0
         row["other"] = sum(held.values()) / n
-        row["state"] = row["total"] - row["score workspace"]
+        row["state"] = row["total"] - row["score workspace"] - row["staging"]  # scratch: holds nothing between steps
         row["bytes_dense_step"] = {k: counted[0][k] for k in ("bytes_sent", "shard_bytes", "mask_bytes", "dense_bytes")}
         after, before = state.counters, counted[1]
         sparse_steps = 2
@@ -150,7 +152,7 @@ def worker(args: argparse.Namespace) -> None:
 def table(results: dict[str, Any]) -> str:
     """Markdown: bytes per parameter per rank (the largest over ranks) per method and world size."""
     worlds = sorted(results, key=int)
-    keys = ("m", "sq", "windows", "residual", "other", "score workspace", "total", "peak")
+    keys = ("m", "sq", "windows", "residual", "other", "score workspace", "staging", "total", "peak")
     lines = ["| method | W | state B/param (max over ranks) | target | " + " | ".join(keys) + " |",
              "|---|---|---|---|" + "---|" * len(keys)]
     for name in METHODS:

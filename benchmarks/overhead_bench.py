@@ -97,11 +97,13 @@ def instrument() -> None:
     import scape_core.masks as masks
     import scape_core.selection as selection
     import scape_core.state as state
+    import scape_core.wire as wire
     from scape_core import AdamS, ScapeAdamS
 
-    TIMER.wrap(exchange, "stage", "compact")  # eager kernels: per bucket
-    TIMER.wrap(exchange, "stage_all", "compact")  # compiled kernels: every bucket at once
+    TIMER.wrap(exchange, "stage", "compact")  # eager kernels
+    TIMER.wrap(exchange, "stage_compiled", "compact")  # compiled kernels
     TIMER.wrap(exchange, "finish", "finish")
+    TIMER.wrap(exchange, "finish_compiled", "finish")
     for rule, fn in list(masks.SELECTIONS.items()):  # the row's picks (top-k or groups), inside MaskSelector.choose
         slot = types.SimpleNamespace(fn=fn)
         TIMER.wrap(slot, "fn", "topk")
@@ -112,8 +114,9 @@ def instrument() -> None:
     TIMER.wrap(ScapeAdamS, "_sparse", "optimizer")
     TIMER.wrap(AdamS, "step", "adams_step")  # ScapeAdamS overrides step: this is dense only
     TIMER.wrap(exchange.dist, "all_reduce", "allreduce_launch")
-    for attr in ("wire_send", "wire_own", "wire_decode"):  # an encoded wire's passes (eager or compiled)
-        TIMER.wrap(kernels.Kernels, attr, "wire")
+    for codec in (wire.WireBuffers, kernels.CompiledWire):  # an encoded wire's stages (eager or compiled)
+        for attr in ("send", "own_mean", "decode_gathered"):
+            TIMER.wrap(codec, attr, "wire")
     TIMER.wrap(selection, "all_gather_into_tensor", "gather_launch")  # inside choose (scores read per rank)
 
 

@@ -308,13 +308,13 @@ class SimulatedScape:
         m_flat.index_copy_(0, entries, m)
         for key, value in stats.items():
             self.stats[key].view(-1).index_copy_(0, entries, value)
-        delta = torch.zeros(self.layout.rows * self.layout.chunk)  # -lr u at the entries, rounded as the core's
-        delta.index_copy_(0, entries, u * torch.tensor(-self.hp["lr"], dtype=torch.float32))
-        decay = torch.ones(()).mul(-self.hp["lr"] * self.hp["weight_decay"]).add_(1.0)  # as the core computes it
+        delta = torch.zeros(self.layout.rows * self.layout.chunk)  # u at the entries: the core's staging buffer
+        delta.index_copy_(0, entries, u)
+        decay = torch.add(torch.ones(()), torch.ones(()), alpha=-self.hp["lr"] * self.hp["weight_decay"])  # as the core
         for name, p in self.params.items():
             if self.hp["weight_decay"]:
                 p.data.mul_(decay)
-            p.data.add_(self.layout.view(delta.view(self.layout.rows, -1), name).view_as(p))
+            p.data.add_(self.layout.view(delta.view(self.layout.rows, -1), name).view_as(p), alpha=-self.hp["lr"])
 
     def never_synced(self) -> float:
         """Fraction of real coordinates never exchanged after the warm-up (diagnostics)."""

@@ -27,8 +27,8 @@ The operator model (what one call of an operator counts):
                         and ``out=`` arguments are written, not read
     index operators     count the elements they touch, not the tensor they index:
                         ``index_select`` / ``embedding`` / ``index.Tensor`` read the index and the
-                        selected slices and write the output; ``gather`` reads the index and
-                        ``index.numel()`` elements; ``index_copy_`` / ``index_fill_`` /
+                        selected slices and write the output; ``gather`` and ``take`` read the index
+                        and ``index.numel()`` elements; ``index_copy_`` / ``index_fill_`` /
                         ``index_put_`` / ``scatter_`` write only the touched slices (and read their
                         source and the index); the accumulating ones (``index_add_``,
                         ``scatter_add_``, ``scatter_reduce_``, ``index_put_(accumulate=True)``) also
@@ -162,6 +162,8 @@ def _index_model(name: str, a: dict[str, Any], out: Any) -> tuple[int, int] | No
         read = nbytes(a["values"]) + nbytes([i for i in a["indices"] if i is not None])
         return read + (touched if a.get("accumulate") else 0), touched
     if name == "gather":
+        return nbytes(a["index"]) + a["index"].numel() * self.element_size(), nbytes(out)
+    if name == "take":  # self as 1-D, at the index
         return nbytes(a["index"]) + a["index"].numel() * self.element_size(), nbytes(out)
     if name in ("scatter_", "scatter_add_", "scatter_reduce_"):
         touched = a["index"].numel() * self.element_size()
@@ -341,15 +343,15 @@ def _sparse_step_traffic(args: tuple, kwargs: dict, out: Any) -> tuple[int, int]
 
 
 def _finish_traffic(args: tuple, kwargs: dict, out: Any) -> tuple[int, int]:
-    buffers, residual, entries, reduced, kept, ok, good, row_shift, spans, _ = args  # the entries touched
+    buffers, residual, entries, reduced, kept, ok, row_shift, spans, _ = args  # the entries touched
     at = 0 if residual is None else entries.numel() * residual.element_size()
-    small = nbytes([entries, reduced, ok, good, row_shift] + ([kept] if kept is not None else []))
+    small = nbytes([entries, reduced, ok, row_shift] + ([kept] if kept is not None else []))
     picked = sum((hi - lo) * buffers[j].element_size() for j, lo, hi in spans)
     return small + nbytes(entries) + at, at + picked + nbytes(out)
 
 
 # the rest: their boundary (every tensor argument read, returned and mutated ones written)
-COMPILED_TRAFFIC = {"score": _score_traffic, "gather": _gather_traffic, "masked_update": _masked_update_traffic,
+COMPILED_TRAFFIC = {"score": _score_traffic, "masked_update": _masked_update_traffic,
                     "update": _update_traffic, "stage": _stage_traffic, "sparse_step": _sparse_step_traffic,
                     "finish": _finish_traffic}
 

@@ -1,23 +1,20 @@
 """The regions a step's gradients are synchronized in, and the record of one step: the hand-off
 from the hooks to the optimizer.
 
-- :class:`Buckets`: each region resolved once (its parameters' gradient views, and where a flat
-  coordinate sits in the region's buffer). A region is a DDP bucket (rebuilt when DDP rebuilds
-  its buckets) or an FSDP2 parameter group's reduce-scatter output.
-- :class:`Exchange`: one region's part of a sparse exchange (its entries, their positions in
-  the region, the future DDP waits on).
+- :class:`Buckets`: each region resolved once (its parameters' gradient views, their views of the
+  state's staging buffer, and where a flat coordinate sits in the region's buffer). A region is a
+  DDP bucket (rebuilt when DDP rebuilds its buckets) or an FSDP2 parameter group's reduce-scatter
+  output.
+- :class:`Exchange`: one region's part of a sparse exchange (its buffer, the future DDP waits on).
 - :class:`StepRecord`: one exchange (:mod:`scape_core.exchange`), and what the hooks did during
-  the current backward (which gradients they synchronized, each region's finiteness verdict, the
-  exchanged means), read by the optimizer to apply the step: it gathers the synchronized sums
-  from the regions, writes the update into them and puts the sums back.
+  the current backward (which gradients they synchronized, the finiteness verdicts, the exchanged
+  means), read by the optimizer to apply the step.
 
-Who writes what: the hooks (through :mod:`scape_core.exchange`) write ``send``, ``values``,
-``finite`` and the regions' buffers during the backward, and the residual there; the optimizer
-reads the record, writes the update into the regions and the gradients back, and returns to the
-residual what it did not apply (:meth:`StepRecord.return_unapplied`); the state replaces the
-record at the end of the step. Everything a completion callback (gloo's thread) writes into is
-created beforehand on the hook's thread; the callbacks only fill disjoint spans and append
-verdicts.
+Who writes what: the hooks (through :mod:`scape_core.exchange`, on the hook's thread) write
+``send``, ``values``, ``finite``, the regions' buffers and the residual during the backward; the
+optimizer reads the record and ``p.grad``, and returns to the residual what it did not apply
+(:meth:`StepRecord.return_unapplied`); the state replaces the record at the end of the step. A
+dense step's completion callbacks (gloo's thread) only append verdicts.
 """
 
 from __future__ import annotations
@@ -43,12 +40,19 @@ class BucketPlan:
     grads: list[Tensor]  # flat views of each parameter's gradient in the bucket buffer
     offsets: tuple[int, ...] = ()  # where each parameter's gradient starts in the bucket buffer
     residual_views: list[Tensor] | None = None  # the same parameters' residual views, once the residual exists
+    staging_views: list[Tensor] | None = None  # and their views of the state's staging buffer
 
     def residuals(self, layout: FlatLayout, residual: Tensor) -> list[Tensor]:
         """This bucket's parameters' views of ``residual`` (resolved once per residual buffer)."""
         if self.residual_views is None:
             self.residual_views = layout.views(residual, list(self.names))
         return self.residual_views
+
+    def staging(self, layout: FlatLayout, staging: Tensor) -> list[Tensor]:
+        """This bucket's parameters' flat views of the state's staging buffer (resolved once)."""
+        if self.staging_views is None or self.staging_views[0].untyped_storage().data_ptr() != staging.data_ptr():
+            self.staging_views = layout.views(staging, list(self.names))
+        return self.staging_views
 
 
 class Buckets:
@@ -209,30 +213,29 @@ def local(base: list[tuple[int, int]] | None, at: int) -> int:
 
 @dataclass
 class Exchange:
-    """One bucket's part of a sparse step's exchange: where its entries are, and its result's future."""
+    """One region's part of a sparse step's exchange: its buffer, and the future DDP waits on."""
 
     bucket: BucketPlan
-    buffer: Tensor  # the bucket's buffer (holds the mean on the mask once the exchange finished)
-    entries: Tensor | None  # flat indices into SCAPE's buffers (compiled passes: found when first needed)
-    positions: Tensor | None  # the same coordinates in the bucket buffer (likewise)
-    spans: list[tuple[int, int]]  # where the bucket's entries sit among the mask's entries
-    finite: Tensor | None  # this rank's gradients in the bucket are finite (0-dim bool; compiled: once staged)
-    future: torch.futures.Future = field(default_factory=torch.futures.Future)  # DDP waits on it
-    residual: Tensor | None = None  # eager: the residual at the entries before the step (what a dropped region keeps)
+    buffer: Tensor  # the region's buffer (holds the mean on the mask, zeros elsewhere, once the exchange finished)
+    future: torch.futures.Future
+    finite: Tensor | None = None  # compiled: this rank's gradients in the region are finite (0-dim bool), once staged
 
 
 @dataclass
 class StepRecord:
     """One sparse exchange and what the hooks recorded during the current step's backward, for the
-    optimizer step (DDP: the step's one exchange; FSDP2: the step, each group's exchange absorbed)."""
+    optimizer step (DDP: the step's one exchange of every bucket; FSDP2: the step, each parameter
+    group's exchange absorbed)."""
 
     buckets: Buckets
     synced: set[str] = field(default_factory=set)
-    finite: list[Tensor] = field(default_factory=list)  # one 0-dim bool per region: its reduced values are finite
-    values: Tensor | None = None  # sparse: the mean exchanged at each entry (0 where a region was not finite)
+    finite: list[Tensor] = field(default_factory=list)  # 0-dim bools: each exchange's (dense bucket's) means finite
+    local: list[Tensor] = field(default_factory=list)  # sparse: 0-dim bools, this rank's gradients were finite
+    values: Tensor | None = None  # sparse: the mean exchanged at each entry (0 where an exchange was not finite)
     send: Tensor | None = None  # sparse: a_r = g_r + e_r at each entry (fp32), what this rank sends
     exchanges: list[Exchange] = field(default_factory=list)  # sparse: one per region
     entries: Tensor | None = None  # sparse: the flat indices of the exchange's entries
+    rows: tuple[int, int] | None = None  # sparse: the layout rows the exchange's regions cover (None: every row)
     staging: Staging | None = None  # sparse, compiled kernels: where the entries sit in the regions
     applied_names: list[str] = field(default_factory=list)  # parameters with a gradient at the optimizer step
     density: float | None = None  # sparse: the mask's
@@ -245,23 +248,33 @@ class StepRecord:
                     "{name!r}): every sync flushes residuals that only the SCAPE optimizer applies. Use "
                     "ScapeAdamS, and accumulate gradients under ddp.no_sync().")
 
-    def open(self, mask: Mask, layout: FlatLayout, staged: bool = True,
-             base: list[tuple[int, int]] | None = None, narrow: bool = False) -> None:
-        """The exchange's entries are known: ``mask``'s, or its spans ``base`` of them (on the hook's
-        thread, before any callback can run); ``staged``: the eager :func:`scape_core.exchange.stage`
-        fills ``send``, so it exists now; ``narrow``: the entries as the compiled passes read them
+    def open(self, mask: Mask, layout: FlatLayout, base: list[tuple[int, int]] | None = None,
+             narrow: bool = False, rows: tuple[int, int] | None = None) -> None:
+        """The exchange's entries are known: ``mask``'s, or its spans ``base`` of them, in the layout
+        rows ``rows`` (``None``: every row); ``narrow``: the entries as the compiled passes read them
         (:meth:`~scape_core.masks.Mask.flat`). Once per exchange."""
         if self.entries is None:
-            self.density, self.base = mask.density, base
+            self.density, self.base, self.rows = mask.density, base, rows
             every = mask.flat(layout, narrow)
             self.entries = every if base is None else gather_spans(every, base)
-            if staged:
-                self.values = torch.zeros(self.entries.numel(), device=self.entries.device)
-                self.send = torch.zeros(self.entries.numel(), device=self.entries.device)
 
-    def spans(self, names: tuple[str, ...]) -> list[tuple[int, int]]:
-        """Where the parameters ``names`` (a region's) sit among the entries of a whole mask's exchange."""
-        return self.buckets.layout.mask_shape(self.density).ranges(names)
+    def add_region(self, plan: BucketPlan, buffer: Tensor) -> Exchange:
+        """A region joins the exchange (its gradients are in ``buffer``); its future completes when the
+        exchange finished (:func:`scape_core.exchange.run`)."""
+        device = buffer.device
+        future = torch.futures.Future(devices=[device]) if device.type == "cuda" else torch.futures.Future()
+        part = Exchange(plan, buffer, future)
+        self.exchanges.append(part)
+        return part
+
+    def grads_and_staging(self, layout: FlatLayout, staging: Tensor) -> tuple[list[Tensor], list[Tensor]]:
+        """Every region's flat gradient views, and the same parameters' views of the ``staging`` buffer."""
+        grads: list[Tensor] = []
+        views: list[Tensor] = []
+        for x in self.exchanges:
+            grads += x.bucket.grads
+            views += x.bucket.staging(layout, staging)
+        return grads, views
 
     def absorb(self, part: "StepRecord", spans: list[tuple[int, int]], entries: Tensor) -> None:
         """A region exchanged on its own (FSDP2: each parameter group in its hook) joins the step:
@@ -272,10 +285,9 @@ class StepRecord:
             self.entries = entries
             self.values = torch.zeros(entries.numel(), device=entries.device)
         scatter_spans(self.values, spans, part.values)
-        for x in part.exchanges:
-            x.spans, x.entries = spans, part.entries
         self.exchanges += part.exchanges
         self.finite += part.finite
+        self.local += part.local
 
     def sync(self, names: tuple[str, ...]) -> None:
         """A bucket's gradients are being synchronized (a hook call, counted in :attr:`counts`); refuses
@@ -286,49 +298,10 @@ class StepRecord:
         self.synced.update(names)
         self.counts["hook_calls"] += 1
 
-    def add_exchange(self, exchange: Exchange) -> None:
-        """A region joins the exchange (its buffers exist: :meth:`open`)."""
-        self.exchanges.append(exchange)
-
-    def located(self, x: Exchange) -> Tensor:
-        """Where ``x``'s entries sit in its bucket (found now where the compiled passes did not need it)."""
-        if x.positions is None:
-            x.entries = gather_spans(self.entries, x.spans)
-            x.positions = self.buckets.positions(x.entries)
-        return x.positions
-
     def return_unapplied(self, residual: Tensor | None, entries: Tensor, applied: Tensor) -> None:
         """Exchanged values not applied go back into ``residual``: nothing sent is lost. ``applied``:
         bool, 0-dim or per entry (the optimizer's: entries of parameters that had no gradient at
-        the step; the hook already returned a skipped step's, :func:`scape_core.exchange.finish_region`)."""
+        the step; on a skipped DDP step nothing was exchanged that counts, see
+        :func:`scape_core.exchange.finish`)."""
         if self.values is not None and residual is not None:
             residual.view(-1).index_add_(0, entries, self.values.masked_fill(applied, 0.0))
-
-    def gather_gradients(self, names: list[str], grads: list[Tensor], entries: int) -> Tensor:
-        """The synchronized gradient at every mask entry, read from the gradients ``grads`` of
-        ``names`` (``p.grad``, or its local shard) (fp32).
-
-        Reads ``p.grad``, not what the hook received, so gradient clipping or scaling between
-        backward and step applies. A gradient that is not its region's own memory
-        (``gradient_as_bucket_view=False``, or replaced) is first copied into the region.
-        """
-        views = self.buckets.views
-        elsewhere = [(views[n], g) for n, g in zip(names, grads) if g.data_ptr() != views[n].data_ptr()]
-        if elsewhere:
-            torch._foreach_copy_([v for v, _ in elsewhere], [g.view_as(v) for v, g in elsewhere])
-        values = torch.empty(entries, device=self.buckets.layout.device)
-        for x in self.exchanges:
-            scatter_spans(values, x.spans, x.buffer.index_select(0, self.located(x)))
-        return values
-
-    def scatter_update(self, update: Tensor) -> None:
-        """Write ``update`` (one value per mask entry) into the bucket buffers, zeros elsewhere: each
-        parameter's bucket view (:attr:`Buckets.views`) then holds its dense update."""
-        for x in self.exchanges:
-            x.buffer.zero_()
-            x.buffer.index_copy_(0, self.located(x), gather_spans(update, x.spans).to(x.buffer.dtype))
-
-    def restore_gradients(self, values: Tensor) -> None:
-        """Put the synchronized gradient back into the buckets (``p.grad`` when it is the bucket's view)."""
-        for x in self.exchanges:
-            x.buffer.index_copy_(0, self.located(x), gather_spans(values, x.spans).to(x.buffer.dtype))

@@ -198,10 +198,10 @@ class ScapeFSDPState(ScapeStateBase):
             self.start_sparse()
         self.count(0, 0, dense_bytes)
         spans = self.layout.mask_shape(mask.density).rows_spans(g.start, g.stop)
-        part, path = StepRecord(self.buckets, dtype=output.dtype), self.exchange_path
-        part.open(mask, self.layout, staged=path.staged, base=spans, narrow=path.narrow)
-        path.stage(self, part, region, output, [(0, part.entries.numel())])  # the group: the exchange's one region
-        exchange.send(self, part).wait()
+        part = StepRecord(self.buckets, dtype=output.dtype)
+        part.open(mask, self.layout, base=spans, narrow=self.exchange_path.narrow, rows=(g.start, g.stop))
+        part.add_region(region, output)  # the group: the exchange's one region
+        exchange.run(self, part)
         self.record.absorb(part, spans, mask.flat(self.layout))
 
     # ----- the optimizer step -------------------------------------------------------------

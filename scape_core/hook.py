@@ -13,16 +13,16 @@ from scape_core.state import ScapeState
 def scape_hook(state: ScapeState, bucket: dist.GradBucket) -> torch.futures.Future[Tensor]:
     """DDP comm hook: all-reduce only the masked coordinates of ``grad + residual``.
 
-    Versus plain DDP: on a sparse step each rank adds its gradient to its residual, gathers the
-    coordinates of the step's mask (the same on every rank) into one compact buffer, bucket by
-    bucket, and exchanges that buffer alone (values, no indices) once the last bucket is in: one
-    all-reduce per step, or an all-to-all and an all-gather on an encoded ``wire``
-    (:func:`scape_core.exchange.exchange_encoded`). Every bucket then holds the mean on the mask and zeros
-    elsewhere; the unsent rest stays in this rank's residual. One exchange per step in the
-    mask's order keeps every value's sum order and rounding independent of DDP's buckets
-    (which DDP rebuilds after each process's first iteration), so a run resumes bit-for-bit.
-    Warm-up steps (and ``sparsity=0``) are plain averaging all-reduces per bucket. Needs
-    :class:`ScapeAdamS`.
+    Versus plain DDP: on a sparse step each bucket joins the step's one exchange, and once the last
+    bucket is in, each rank adds its gradients to its residual, gathers the coordinates of the step's
+    mask (the same on every rank) into one compact buffer and exchanges that buffer alone (values, no
+    indices): one all-reduce per step, or an all-to-all and an all-gather on an encoded ``wire``
+    (:mod:`scape_core.exchange`). Every bucket then holds the mean on the mask and zeros elsewhere;
+    the unsent rest stays in this rank's residual. One exchange per step in the mask's order keeps
+    every value's sum order and rounding independent of DDP's buckets (which DDP rebuilds after each
+    process's first iteration), so a run resumes bit-for-bit, and makes its cost a fixed number of
+    operators whatever the buckets. Warm-up steps (and ``sparsity=0``) are plain averaging
+    all-reduces per bucket. Needs :class:`ScapeAdamS`.
 
     Example::
 
@@ -42,10 +42,10 @@ def scape_hook(state: ScapeState, bucket: dist.GradBucket) -> torch.futures.Futu
         return work.get_future().then(lambda f: exchange.finish_dense(state.record, f.value()[0]))
     if not state.sparse_started:
         state.start_sparse()
-    record, path = state.record, state.exchange_path
-    record.open(mask, state.layout, staged=path.staged, narrow=path.narrow)
-    part = path.stage(state, record, plan, buffer, record.spans(plan.names), bucket.is_last())
+    record = state.record
+    record.open(mask, state.layout, narrow=state.exchange_path.narrow)
+    part = record.add_region(plan, buffer)
     state.count(0, 0, dense_bytes)
-    if bucket.is_last():  # the step's compact buffer is complete: exchange it
-        exchange.send(state, record)
+    if bucket.is_last():  # every bucket is in: the step's one exchange
+        exchange.run(state, record)
     return part.future

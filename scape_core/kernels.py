@@ -24,10 +24,11 @@ Triton) the first call raises, naming ``kernels="eager"`` as the fix: nothing fa
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import time
 import types
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -44,24 +45,54 @@ Piece = tuple[int, int, int]  # a parameter's entries (ParamPiece: param, lo, hi
 Span = tuple[int, int, int]  # a region's entries (RegionSpan: region, lo, hi), at flat index + row shift
 
 
+# inductor's own deterministic mode (torch >= 2.8): no choice between kernels that differ in numerics is made
+# by timing them on the device, which could choose differently on each rank
+INDUCTOR_OPTIONS = {"deterministic": True} if hasattr(torch._inductor.config, "deterministic") else {}
+
+
+@contextlib.contextmanager
+def deterministic() -> Iterator[None]:
+    """torch's deterministic algorithms on for the duration, the caller's setting restored after.
+
+    SCAPE's compiled passes compute replicated state (masks, ``m``, statistics, parameters), which must
+    be bit-identical on every rank and run: each is compiled and run inside this, whatever the user set
+    (inductor then lowers indexed writes to deterministic kernels and filters its reduction configs),
+    and its graph's guard on the setting holds at every call. Uninitialized memory is not filled (the
+    passes read none), so this costs no extra writes.
+    """
+    mode = torch.are_deterministic_algorithms_enabled()
+    warn_only = torch.is_deterministic_algorithms_warn_only_enabled()
+    fill = torch.utils.deterministic.fill_uninitialized_memory
+    torch.use_deterministic_algorithms(True)
+    torch.utils.deterministic.fill_uninitialized_memory = False
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(mode, warn_only=warn_only)
+        torch.utils.deterministic.fill_uninitialized_memory = fill
+
+
 def compile_kernel(fn: Callable, name: str) -> Callable:
-    """``torch.compile`` of one pass (the one place SCAPE compiles; benchmarks wrap it to count it).
+    """``torch.compile`` of one pass (the one place SCAPE compiles; benchmarks wrap it to count it),
+    compiled and run under :func:`deterministic`.
 
     Each call compiles a fresh copy of ``fn``'s code: dynamo keeps its compiled graphs per code
     object, at most 8 (``recompile_limit``; past it ``fullgraph=True`` fails), so every state,
     density and bucket structure gets its own copy rather than sharing one across a process.
     """
     fresh = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-    compiled = torch.compile(fresh, fullgraph=True, dynamic=False)
+    compiled = torch.compile(fresh, fullgraph=True, dynamic=False, options=dict(INDUCTOR_OPTIONS))
     state = {"ready": False}
 
     @functools.wraps(fn)
     def call(*args: Any, **kwargs: Any) -> Any:
         if state["ready"]:
-            return compiled(*args, **kwargs)
+            with deterministic():
+                return compiled(*args, **kwargs)
         start = time.perf_counter()
         try:
-            out = compiled(*args, **kwargs)
+            with deterministic():
+                out = compiled(*args, **kwargs)
         except Exception as e:  # the first call compiles: say what failed and what to do
             raise RuntimeError(f"ScapeConfig(kernels='compiled'): torch.compile could not build SCAPE's {name} "
                                f"pass ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}); "
@@ -172,32 +203,22 @@ def stage_pass(buffers: list[Tensor], residual: Tensor | None, entries: Tensor, 
     return torch.cat(parts), finite
 
 
-def verdict_pass(reduced: Tensor, spans: Sequence[Span], buckets: int) -> Tensor:
-    """Per bucket: whether its exchanged entries are all finite (on every rank)."""
-    by_bucket: list[list[Tensor]] = [[] for _ in range(buckets)]
-    for j, lo, hi in spans:
-        by_bucket[j].append(torch.isfinite(reduced[lo:hi]).all())
-    return torch.stack([torch.stack(v).all() for v in by_bucket])
-
-
-def residual_pass(residuals: list[Tensor], grads: list[Tensor], keep: list[Tensor]) -> None:
-    """``e_r += g_r`` per parameter where its bucket went through (``keep``, 0-dim bool each), in place:
-    the non-finite drop and the add in one loop (eager: the bucket's ``masked_fill_``, then a
-    multi-tensor add). ``residuals`` are views of one buffer that do not overlap, passed as inputs:
-    the graph writes nothing else of that buffer, so each is written in place (``finish_pass``)."""
-    for e, g, k in zip(residuals, grads, keep):
-        e.copy_(torch.where(k, e + g.float(), e))
+def residual_pass(residuals: list[Tensor], grads: list[Tensor], keep: Tensor) -> None:
+    """``e_r += g_r`` per parameter if the step went through (``keep``, 0-dim bool), in place: the
+    non-finite drop and the add in one loop. ``residuals`` are views of one buffer that do not
+    overlap, passed as inputs: the graph writes nothing else of that buffer, so each is written in
+    place (``finish_pass``)."""
+    for e, g in zip(residuals, grads):
+        e.copy_(torch.where(keep, e + g.float(), e))
 
 
 def finish_pass(buffers: list[Tensor], residual: Tensor | None, entries: Tensor, reduced: Tensor,
-                kept: Tensor | None, ok: Tensor, good: Tensor, row_shift: Tensor, spans: Sequence[Span],
-                chunk: int) -> Tensor:
+                kept: Tensor | None, ok: Tensor, row_shift: Tensor, spans: Sequence[Span], chunk: int) -> Tensor:
     """After the exchange, the residual's add of the gradients and the buckets' zeroing, every bucket
-    at once: the residual keeps ``kept`` (or 0) at the entries of buckets that went through
-    (``good``, per entry; ``ok``, per bucket), plus their means if the step is skipped (a bucket not
-    ``ok``); every bucket gets the mean at the mask's entries. Returns the means (fp32; 0 in a
-    dropped bucket). As :func:`scape_core.exchange.finish_region`. ``entries`` may be int32 (a
-    mask's narrow entries, :meth:`~scape_core.masks.Mask.flat`), as in every pass that takes them.
+    at once: if the step went through (``ok``), the residual keeps ``kept`` (or 0) at the entries and
+    every bucket gets the mean there; if not, the residual stays and the buckets hold zeros. Returns
+    the means (fp32; 0 on a dropped step). As :func:`scape_core.exchange.finish`. ``entries`` may be
+    int32 (a mask's narrow entries, :meth:`~scape_core.masks.Mask.flat`), as in every pass that takes them.
 
     The residual's add is a graph of its own (:func:`residual_pass`) and the zeroing an eager
     multi-tensor operator. In this graph an add into each parameter's slice of the residual (which
@@ -206,12 +227,11 @@ def finish_pass(buffers: list[Tensor], residual: Tensor | None, entries: Tensor,
     and then written at the entries in one graph is written through a temporary of its size,
     copied back at the end (inductor's generated code).
     """
-    mean = torch.where(good, reduced, 0.0)
+    mean = torch.where(ok, reduced, 0.0)
     if residual is not None:  # one write: several index_copy_ into one input would go through a copy of it
         flat, index = residual.view(-1), entries.long()  # index_copy_ takes int64 (converted as it reads)
-        returned = torch.where(ok.all(), 0.0, mean)  # a skipped step: what was exchanged goes back
-        now = returned if kept is None else kept + returned
-        flat.index_copy_(0, index, torch.where(good, now, flat.index_select(0, index)))
+        now = torch.zeros_like(mean) if kept is None else kept
+        flat.index_copy_(0, index, torch.where(ok, now, flat.index_select(0, index)))
     at = positions_in_regions(entries, row_shift, chunk)
     for j, lo, hi in spans:
         buffers[j].index_copy_(0, at[lo:hi], mean[lo:hi].to(buffers[j].dtype))
@@ -270,24 +290,32 @@ def update_pass(params: list[Tensor], entries: Tensor, u: Tensor, scale: list[Te
 def masked_update_pass(rule: Any, momentum: Tensor, statistics: dict[str, Tensor], windows: Tensor | None,
                        local: Tensor, s: Tensor, applied: Tensor, step: Tensor, beta1: float, beta2: float,
                        eps: float) -> Tensor:
-    """The update rule on the mask's entries (``local``: their flat indices in the state's buffers):
-    reads ``m``, the statistics and the windows there, writes them back where ``applied``, marks the
-    entries exchanged at ``step``; returns ``u`` (0 where not applied). As ``ScapeAdamS``'s eager path."""
+    """The update rule on the mask's entries (``local``: their flat indices in the state's buffers, which
+    may be given flat): reads ``m``, the statistics and the windows there, writes them back where
+    ``applied``, marks the entries exchanged at ``step``; returns ``u`` (0 where not applied). As
+    ``ScapeAdamS``'s eager path."""
     local = local.long()  # index_copy_ takes int64 (a no-op for int64 entries)
-    n = torch.ones_like(s)
     if windows is not None:
-        flat = windows.view(-1)
-        last = flat.index_select(0, local)
-        flat.index_copy_(0, local, torch.where(applied, step, last))
+        windows = _flat(windows)
+        last = windows.index_select(0, local)
+        windows.index_copy_(0, local, torch.where(applied, step, last))
         n = step - last
-    m_flat = momentum.view(-1)
-    m = m_flat.index_select(0, local)
-    stats = {k: b.view(-1).index_select(0, local) for k, b in statistics.items()}
+    else:
+        n = torch.ones_like(s)
+    momentum = _flat(momentum)
+    m = momentum.index_select(0, local)
+    flats = {k: _flat(b) for k, b in statistics.items()}
+    stats = {k: b.index_select(0, local) for k, b in flats.items()}
     u, m_new, stats_new = rule.update(s, n, m, stats, beta1=beta1, beta2=beta2, eps=eps)
-    m_flat.index_copy_(0, local, torch.where(applied, m_new, m))
+    momentum.index_copy_(0, local, torch.where(applied, m_new, m))
     for key, value in stats_new.items():
-        statistics[key].view(-1).index_copy_(0, local, torch.where(applied, value, stats[key]))
+        flats[key].index_copy_(0, local, torch.where(applied, value, stats[key]))
     return u.masked_fill(~applied, 0.0)
+
+
+def _flat(buffer: Tensor) -> Tensor:
+    """``buffer`` as 1-D (itself if it is: an eager caller passes the views it keeps)."""
+    return buffer if buffer.dim() == 1 else buffer.view(-1)
 
 
 def sparse_step_pass(rule: Any, params: list[Tensor], grads: list[Tensor], momentum: Tensor,
@@ -328,14 +356,40 @@ def wire_decode_pass(plan: WirePlan, gathered: Tensor) -> Tensor:
     return wire.decode(plan, gathered).view(-1)[:plan.entries]
 
 
+class CompiledWire:
+    """:class:`scape_core.wire.WireBuffers`'s stages as the compiled passes (:func:`wire_send_pass`,
+    :func:`wire_own_pass`, :func:`wire_decode_pass`), the same interface."""
+
+    def __init__(self, kernels: "Kernels", plan: WirePlan, rank: int, device: torch.device) -> None:
+        self.kernels, self.plan = kernels, plan
+        self.received = torch.empty(plan.world, plan.row_bytes, dtype=torch.uint8, device=device)
+        self.gathered = torch.empty(plan.world * plan.row_bytes, dtype=torch.uint8, device=device)
+        self.lo = rank * plan.segment  # the owner's segment among the entries
+        self.hi = max(self.lo, min(self.lo + plan.segment, plan.entries))
+        self._kept: Tensor | None = None
+
+    def send(self, values: Tensor) -> tuple[Tensor, Tensor]:
+        sent, self._kept = self.kernels._fn("wire", wire_send_pass, self.plan)(self.plan, values)
+        return sent, self._kept
+
+    def own_mean(self) -> Tensor:
+        kept = self._kept[self.lo:self.hi]
+        return self.kernels._fn("wire_own", wire_own_pass, (self.plan, kept.numel()))(self.plan, self.received, kept)
+
+    def decode_gathered(self) -> Tensor:
+        gathered = self.gathered.view(self.plan.world, self.plan.row_bytes)
+        return self.kernels._fn("wire_decode", wire_decode_pass, self.plan)(self.plan, gathered)
+
+
 class Kernels:
     """SCAPE's passes over every coordinate, eager or compiled (:data:`KERNELS`).
 
     Example:
         >>> kernels = Kernels("eager")
-        >>> plan = WirePlan("int8", entries=4, world=1, block=4)
-        >>> send, kept = kernels.wire_send(plan, torch.tensor([1.0, -2.0, 0.5, 0.0]))
-        >>> kernels.wire_decode(plan, send)             # 127 steps of max / 127
+        >>> codec = kernels.wire(WirePlan("int8", entries=4, world=1, block=4), rank=0, device=torch.device("cpu"))
+        >>> sent, kept = codec.send(torch.tensor([1.0, -2.0, 0.5, 0.0]))
+        >>> _ = codec.received.copy_(sent), codec.gathered.copy_(codec.own_mean())  # as the collectives would
+        >>> codec.decode_gathered()             # 127 steps of max / 127
         tensor([ 1.0079, -2.0000,  0.5039,  0.0000])
         >>> kernels.compiled, kernels.built
         (False, ())
@@ -347,7 +401,8 @@ class Kernels:
         self.mode = mode
         self.compiled = mode == "compiled"
         self._fns: dict[str, Callable] = {}
-        self._scalars: dict[tuple[str, torch.device], Tensor] = {}
+        self._scalars: dict[tuple[str, torch.device], Tensor] = {}  # scalar() and constant()
+        self._wire: tuple[Any, Any] | None = None  # wire(): the last plan's stages
 
     @property
     def built(self) -> tuple[str, ...]:
@@ -378,6 +433,14 @@ class Kernels:
         if slot is None:
             slot = self._scalars[(key, device)] = torch.zeros((), dtype=dtype, device=device)
         return slot.fill_(value)
+
+    def constant(self, value: float, device: torch.device, dtype: torch.dtype = torch.float32) -> Tensor:
+        """A 0-dim tensor holding ``value``, made once and never written: an operand of ``torch.where``
+        that costs no operator per call (a Python number there is made into a tensor each time)."""
+        key = (f"constant:{value}", device)
+        if key not in self._scalars:
+            self._scalars[key] = torch.full((), value, dtype=dtype, device=device)
+        return self._scalars[key]
 
     # compiled only: their eager forms are the callers' own code (AdamS's foreach step, the
     # selector's score and picks, the hook's per-bucket staging and finish)
@@ -414,35 +477,17 @@ class Kernels:
         """:func:`stage_pass`: the step's compact buffer and each bucket's verdict (compiled only)."""
         return self._fn("stage", stage_pass, hash(spans))(buffers, residual, entries, row_shift, spans, chunk)
 
-    def residual(self, residuals: list[Tensor], grads: list[Tensor], keep: list[Tensor], key: Any) -> None:
+    def residual(self, residuals: list[Tensor], grads: list[Tensor], keep: Tensor, key: Any) -> None:
         """:func:`residual_pass` (compiled only; ``key``: the bucket structure, one compiled copy each)."""
         self._fn("residual", residual_pass, key)(residuals, grads, keep)
 
-    def verdicts(self, reduced: Tensor, spans: Sequence[Span], buckets: int) -> Tensor:
-        """:func:`verdict_pass` (compiled only)."""
-        return self._fn("verdicts", verdict_pass, hash(spans))(reduced, spans, buckets)
-
     def finish(self, buffers: list[Tensor], residual: Tensor | None, entries: Tensor, reduced: Tensor,
                kept: Tensor | None, ok: Tensor, row_shift: Tensor, spans: Sequence[Span], chunk: int) -> Tensor:
-        """:func:`finish_pass` (compiled only; each entry's region verdict spread outside the graph, where a
-        concatenation of expanded verdicts is one fill per span instead of a branch per entry)."""
-        good = torch.cat([ok[j].expand(hi - lo) for j, lo, hi in spans])
-        return self._fn("finish", finish_pass, hash(spans))(buffers, residual, entries, reduced, kept, ok, good,
+        """:func:`finish_pass` (compiled only)."""
+        return self._fn("finish", finish_pass, hash(spans))(buffers, residual, entries, reduced, kept, ok,
                                                             row_shift, spans, chunk)
 
-    # both modes: the eager form is the same function, run as torch operators
-    def gather(self, grads: list[Tensor], entries: Tensor, layout: FlatLayout, pieces: Sequence[Piece]) -> Tensor:
-        """:func:`gather_pass`: the gradients at the mask's entries, read in place."""
-        return self._fn("gather", gather_pass, hash(pieces))(grads, entries, layout.row_start, layout.chunk, pieces)
-
-    def update(self, params: list[Tensor], entries: Tensor, u: Tensor, decay: list[Tensor | None],
-               scale: list[Tensor], layout: FlatLayout, pieces: Sequence[Piece]) -> None:
-        """:func:`decay_pass` and :func:`update_pass`: decay every coordinate, add ``scale * u`` at the
-        entries (two passes)."""
-        self._fn("decay", decay_pass, tuple(d is None for d in decay))(params, decay)
-        self._fn("update", update_pass, hash(pieces))(params, entries, u, scale, layout.row_start, layout.chunk,
-                                                      pieces)
-
+    # the optimizer's, compiled only but masked_update (eager: the same function, run as torch operators)
     def sparse_step(self, rule: Any, params: list[Tensor], grads: list[Tensor], momentum: Tensor,
                     statistics: dict[str, Tensor], windows: Tensor | None, entries: Tensor, applied: Tensor,
                     step: int, decay: list[Tensor | None], scale: list[Tensor], layout: FlatLayout,
@@ -463,14 +508,12 @@ class Kernels:
         run = self._fn("masked_update", masked_update_pass, (local.numel(), applied.dim()))
         return run(rule, momentum, statistics, windows, local, s, applied, at, hp["beta1"], hp["beta2"], hp["eps"])
 
-    def wire_send(self, plan: WirePlan, values: Tensor) -> tuple[Tensor, Tensor]:
-        """:func:`wire_send_pass`."""
-        return self._fn("wire", wire_send_pass, plan)(plan, values)
-
-    def wire_own(self, plan: WirePlan, received: Tensor, kept: Tensor) -> Tensor:
-        """:func:`wire_own_pass`."""
-        return self._fn("wire_own", wire_own_pass, (plan, kept.numel()))(plan, received, kept)
-
-    def wire_decode(self, plan: WirePlan, gathered: Tensor) -> Tensor:
-        """:func:`wire_decode_pass`."""
-        return self._fn("wire_decode", wire_decode_pass, plan)(plan, gathered)
+    def wire(self, plan: WirePlan, rank: int, device: torch.device) -> "wire.WireBuffers | CompiledWire":
+        """The encoded wire's stages for ``plan`` on rank ``rank``: on buffers made once (eager,
+        :class:`~scape_core.wire.WireBuffers`) or the compiled passes (:class:`CompiledWire`). The last
+        plan's is kept (a ramp's denser plans are dropped once the density changes)."""
+        key = (plan, rank, device)
+        if self._wire is None or self._wire[0] != key:
+            codec = CompiledWire(self, plan, rank, device) if self.compiled else wire.WireBuffers(plan, rank, device)
+            self._wire = (key, codec)
+        return self._wire[1]

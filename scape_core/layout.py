@@ -142,6 +142,7 @@ class FlatLayout:
         self.full_rows = torch.tensor(full, dtype=torch.long, device=self.device)
         self.partial_rows = torch.tensor(partial, dtype=torch.long, device=self.device)
         self.row_base = torch.arange(self.rows, device=self.device) * chunk  # flat index of each row's start
+        self.row_bases = self.row_base[:, None]  # the same as a column (added to a mask's (rows, k) columns)
         # flat index of the first coordinate of each row's parameter: an entry minus its row's is its index there
         self.row_start = torch.tensor([self.first_row[n] * chunk for n in self.numel for _ in range(self.nrows[n])],
                                       dtype=torch.long, device=self.device)
@@ -297,6 +298,27 @@ class MaskShape:
         self._group_index: Tensor | None = None
         self._short: dict[tuple[int, int], tuple[Tensor, Tensor, Tensor] | None] = {}
         self._pieces: dict[tuple[str, ...], tuple[ParamPiece, ...]] = {}
+        self._slots: Tensor | None = None
+
+    @property
+    def slots(self) -> Tensor:
+        """Where each entry's slot is in a mask's flattened ``(rows, k)`` columns, in the entries' order
+        (every full row's ``k``, then each shorter row's counted ones): a mask's entries are one gather
+        of its columns (:meth:`~scape_core.masks.Mask.flat`). Built once, at its first use.
+
+        Example:
+            >>> layout = FlatLayout({"w": torch.zeros(20), "b": torch.zeros(3)}, chunk=8)   # rows: 8, 8, 4 | 3
+            >>> layout.mask_shape(0.25).slots.tolist()                # k = 2; the short rows pick 1 each
+            [0, 1, 2, 3, 4, 6]
+        """
+        if self._slots is None:
+            layout, k = self._layout, self.k
+            offsets = torch.arange(k, device=layout.device)
+            full = (layout.full_rows[:, None] * k + offsets).view(-1)
+            partial = (layout.partial_rows[:, None] * k + offsets).view(-1).index_select(0, self.partial_index)
+            slots = torch.cat([full, partial])
+            self._slots = slots.to(torch.int32) if layout.rows * k < 2 ** 31 else slots
+        return self._slots
 
     @property
     def group_index(self) -> Tensor:

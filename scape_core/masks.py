@@ -11,6 +11,7 @@ rows and the partitions are all-gathered (``ScapeState`` does that).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -54,10 +55,7 @@ class Mask:
                 self._flat = self._narrow.long()
                 return self._flat
             shape = layout.mask_shape(self.density)
-            index = self.cols.long().add_(layout.row_base[:, None])
-            full = index.index_select(0, layout.full_rows).view(-1)
-            partial = index.index_select(0, layout.partial_rows).view(-1).index_select(0, shape.partial_index)
-            self._flat = torch.cat([full, partial])
+            self._flat = self.cols.long().add_(layout.row_bases).view(-1).index_select(0, shape.slots)
         return self._flat
 
 
@@ -103,6 +101,11 @@ def excluded_key(keys: Tensor) -> Tensor:
     return -1 / (1 + keys)  # in [-1, 0): above PADDING
 
 
+def _rows_of(cols: Tensor, start: int, stop: int) -> Tensor:
+    """Rows ``[start, stop)`` of a mask's columns (all of them without a view)."""
+    return cols if start == 0 and stop == cols.shape[0] else cols[start:stop]
+
+
 def _rank_excluded_last(keys: Tensor, at: Tensor) -> None:
     """Move the keys of columns ``at`` (per row) below every free one, in place (:func:`excluded_key`)."""
     keys.scatter_(1, at, excluded_key(keys.gather(1, at)))
@@ -128,7 +131,7 @@ def select(score: Tensor, layout: FlatLayout, shape: MaskShape, exclude: Mask | 
     if score.dtype == torch.float32:  # the bits order non-negative floats as their values
         keys, padded = score.view(torch.int32), PADDING_KEY
     if exclude is not None:  # below every free score, in their own order: a short row takes the best of them
-        _rank_excluded_last(keys, exclude.cols[start:stop].long())
+        _rank_excluded_last(keys, _rows_of(exclude.cols, start, stop).long())
     partial = layout.partial_rows_in(start, stop)
     if partial is not None:
         local, padding, which = partial
@@ -152,14 +155,21 @@ def group_argmax(keys: Tensor, size: int, k: int) -> Tensor:
     """
     g, r = divmod(size, k)
     wide = r * (g + 1)
+    wider, narrower = _group_starts(size, k, keys.device)
     parts = []
     if r:
-        offsets = torch.arange(0, wide, g + 1, device=keys.device)
-        parts.append(keys[:, :wide].unflatten(1, (r, g + 1)).argmax(-1).add_(offsets))
+        parts.append(keys[:, :wide].unflatten(1, (r, g + 1)).argmax(-1).add_(wider))
     if k - r:
-        offsets = torch.arange(wide, size, g, device=keys.device)
-        parts.append(keys[:, wide:size].unflatten(1, (k - r, g)).argmax(-1).add_(offsets))
+        parts.append(keys[:, wide:size].unflatten(1, (k - r, g)).argmax(-1).add_(narrower))
     return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
+
+
+@functools.lru_cache(maxsize=64)
+def _group_starts(size: int, k: int, device: torch.device) -> tuple[Tensor, Tensor]:
+    """The first column of each wider group and of each narrower one (:func:`group_argmax`), made once."""
+    g, r = divmod(size, k)
+    wide = r * (g + 1)
+    return torch.arange(0, wide, g + 1, device=device), torch.arange(wide, size, g, device=device)
 
 
 def select_groups(score: Tensor, layout: FlatLayout, shape: MaskShape, exclude: Mask | None = None,
@@ -181,7 +191,7 @@ def select_groups(score: Tensor, layout: FlatLayout, shape: MaskShape, exclude: 
     stop = layout.rows if rows.stop is None else rows.stop
     keys = score.view(torch.int32) if score.dtype == torch.float32 else score  # the bits order scores >= 0
     if exclude is not None:  # below every free score, in their own order: a group with no other takes its best
-        _rank_excluded_last(keys, exclude.cols[start:stop].long())
+        _rank_excluded_last(keys, _rows_of(exclude.cols, start, stop).long())
     cols = group_argmax(keys, layout.chunk, shape.k)
     partial = layout.partial_rows_in(start, stop)
     if partial is not None:  # short rows: their own groups, gathered through a fixed index

@@ -37,10 +37,11 @@ class ScapeAdamS(AdamS):
     ``m`` and the rule's statistics live in flat buffers (:mod:`scape_core.layout`);
     ``optimizer.state[p]`` holds each parameter's views of them (``"exp_avg"``, ``"sq"``), so
     ``state_dict()`` is keyed as torch's optimizers are. A sparse step costs a fixed number of
-    kernels per parameter group and DDP bucket (multi-tensor kernels for the decay and the
-    update, gathers on flat buffers for the mask), none per parameter, and never reads the
-    device from the host. Parameter groups may differ in ``lr`` and ``weight_decay``; ``betas``
-    and ``eps`` must be the same in every group (the masked update is one kernel over all of them).
+    operators whatever the parameters and DDP's buckets (one multi-tensor copy of ``p.grad`` into
+    the state's staging buffer, gathers and scatters at the mask's entries on flat buffers, one
+    multi-tensor decay and update per parameter group), and never reads the device from the host.
+    Parameter groups may differ in ``lr`` and ``weight_decay``; ``betas`` and ``eps`` must be the
+    same in every group (the masked update is one kernel over all of them).
 
     With ``ScapeState(..., shard_optimizer=True)`` the buffers hold only the state's shard (this
     rank's block of rows) and ``optimizer.state[p]`` this rank's part of each parameter, flat
@@ -77,6 +78,7 @@ class ScapeAdamS(AdamS):
         self.steps = torch.zeros(())  # optimizer steps taken, skipped ones included (on the CPU, as torch's Adam)
         self.statistics = {key: state.shard.zeros() for key in self.rule.statistics}
         self._consolidated: dict[str, Any] | None = None  # the whole state, gathered by consolidate_state_dict
+        self._views: dict[tuple[str, ...], list[Tensor]] = {}  # staging views per set of parameters
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=foreach,
                          kernels=state.config.kernels)
         self.kernels = state.kernels  # one set of compiled passes per state
@@ -256,65 +258,70 @@ class ScapeAdamS(AdamS):
 
     def _sparse(self, groups: list[tuple[dict[str, Any], list[Tensor]]], mask: Mask, skip: Tensor,
                 all_have_grad: bool, **hp: float) -> None:
-        """The masked update, decided on the device: :meth:`_sparse_direct` (at the entries only) where every
-        parameter has a gradient and each is one dense block, else :meth:`_sparse_through_regions`
-        (same arguments, same results to fp32 rounding)."""
+        """The masked update, decided on the device: :meth:`_sparse_compiled` (the compiled passes, at the
+        entries only) where the kernels are compiled, the state replicated and every parameter one dense
+        block with a gradient, else :meth:`_sparse_flat` (same arguments, same results to fp32 rounding)."""
         with_grad = [p for _, params in groups for p in params]
         values, grads = [self._local(p) for p in with_grad], [self._grad(p) for p in with_grad]
-        direct = all_have_grad and self._contiguous(values, grads)
-        (self._sparse_direct if direct else self._sparse_through_regions)(groups, with_grad, values, grads, mask,
-                                                                          skip, all_have_grad, **hp)
+        compiled = (self.kernels.compiled and not self.scape.sharded and all_have_grad
+                    and self._contiguous(values, grads))
+        (self._sparse_compiled if compiled else self._sparse_flat)(groups, with_grad, values, grads, mask, skip,
+                                                                  all_have_grad, **hp)
         record = self.scape.record
         if not record.returns_skipped:  # exchanged region by region: what a skipped step sent goes back now
             record.return_unapplied(self.scape.residual_buffer, mask.flat(self.scape.layout), ~skip)
 
-    def _sparse_through_regions(self, groups: list[tuple[dict[str, Any], list[Tensor]]], with_grad: list[Tensor],
-                                values: list[Tensor], grads: list[Tensor], mask: Mask, skip: Tensor,
-                                all_have_grad: bool, **hp: float) -> None:
-        """The sparse step for any parameters (some without a gradient, or not one dense block): the
-        window sums read back from ``p.grad``, the rule on the mask's entries, ``u`` written into the
-        regions, every coordinate decayed and moved by ``-lr u`` through the regions' views (each
-        parameter's whole size), the synchronized gradients put back."""
-        scape, record = self.scape, self.scape.record
-        entries = mask.flat(scape.layout)
-        s = record.gather_gradients([self._names[p] for p in with_grad], grads, entries.numel())
-        applied = ~skip if all_have_grad else self._entries_with_grad(with_grad, entries, ~skip)
+    def _sparse_flat(self, groups: list[tuple[dict[str, Any], list[Tensor]]], with_grad: list[Tensor],
+                     values: list[Tensor], grads: list[Tensor], mask: Mask, skip: Tensor, all_have_grad: bool,
+                     **hp: float) -> None:
+        """The sparse step in a fixed number of operators, whatever the parameters: the synchronized
+        gradients copied from ``p.grad`` into the state's staging buffer (one multi-tensor copy, so
+        clipping or scaling between backward and step applies) and read at the mask's entries, the rule
+        there, ``u`` written into the zeroed staging buffer, then per parameter group every coordinate
+        decayed and moved by ``-lr u`` (two multi-tensor operators). Sharded, the owners' rule and the
+        all-gather of ``u`` (:meth:`_masked_update`)."""
+        scape = self.scape
+        staging, entries, keep = scape.staging(), mask.flat(scape.layout), ~skip
+        torch._foreach_copy_(self._staging_views(with_grad), grads)
+        s = torch.take(staging, entries)
+        applied = keep if all_have_grad else self._entries_with_grad(with_grad, entries, keep)
         u = self._masked_update(mask, s, applied, hp)
-        keep = (~skip).float()
-        record.scatter_update(u)  # the regions' buffers now hold u on the mask
+        staging.zero_()
+        scape.flat(staging).index_copy_(0, entries, u)
+        keep, one = keep.float(), self.kernels.constant(1.0, keep.device)
         for group, params in groups:
             if not params:
                 continue
             local = [self._local(p) for p in params]
             if group["weight_decay"]:  # every coordinate, every applied step (1 on a skipped one)
-                torch._foreach_mul_(local, keep.mul(-group["lr"] * group["weight_decay"]).add_(1.0))
-            deltas = [scape.buckets.views[self._names[p]] for p in params]
-            torch._foreach_add_(local, deltas, alpha=-group["lr"])
-        record.restore_gradients(s)
-        if not all_have_grad:  # a skipped step's values went back at the finish; these did not
-            record.return_unapplied(scape.residual_buffer, entries, applied | skip)
+                torch._foreach_mul_(local, torch.add(one, keep, alpha=-group["lr"] * group["weight_decay"]))
+            torch._foreach_add_(local, self._staging_views(params), alpha=-group["lr"])
+        if not all_have_grad:  # the means of parameters without a gradient go back (a skipped step has none)
+            scape.record.return_unapplied(scape.residual_buffer, entries, applied | skip)
 
-    def _sparse_direct(self, groups: list[tuple[dict[str, Any], list[Tensor]]], with_grad: list[Tensor],
-                       values: list[Tensor], grads: list[Tensor], mask: Mask, skip: Tensor, all_have_grad: bool,
-                       **hp: float) -> None:
-        """The sparse step at the entries: the window sums read from ``p.grad`` there, the rule, every
-        coordinate decayed and ``-lr u`` added at the entries of each parameter (the regions are not
-        written, ``p.grad`` keeps the synchronized gradient). Replicated, one pass and the update's
-        (:func:`scape_core.kernels.sparse_step_pass`); sharded, the gather, the owners' rule and the
-        all-gather of ``u``, then the decay and the update. The kernels' passes, compiled or run as
-        torch operators (``ScapeConfig.kernels``)."""
+    def _staging_views(self, params: list[Tensor]) -> list[Tensor]:
+        """The views of the state's staging buffer shaped like each of ``params``' local tensor (made once
+        per set of parameters: a view made each step is an operator each)."""
+        key = tuple(self._names[p] for p in params)
+        found = self._views.get(key)
+        if found is None:
+            staging, layout = self.scape.staging(), self.scape.layout
+            found = self._views[key] = [layout.view(staging, self._names[p]).view_as(self._local(p)) for p in params]
+        return found
+
+    def _sparse_compiled(self, groups: list[tuple[dict[str, Any], list[Tensor]]], with_grad: list[Tensor],
+                         values: list[Tensor], grads: list[Tensor], mask: Mask, skip: Tensor, all_have_grad: bool,
+                         **hp: float) -> None:
+        """The sparse step at the entries, compiled: the window sums read from ``p.grad`` there, the rule,
+        every coordinate decayed and ``-lr u`` added at the entries of each parameter, in two passes
+        (:func:`scape_core.kernels.sparse_step_pass`, :func:`scape_core.kernels.update_pass`)."""
         scape = self.scape
-        entries = mask.flat(scape.layout, narrow=scape.kernels.compiled)  # compiled: int32 where it fits
+        entries = mask.flat(scape.layout, narrow=True)  # int32 where it fits
         pieces = scape.layout.mask_shape(mask.density).pieces([self._names[p] for p in with_grad])
         decay, scale = self._decay_and_scale(groups, skip, entries.device)
-        if not scape.sharded:
-            scape.kernels.sparse_step(self.rule, values, grads, self.momentum_buffer, self.statistics,
-                                      scape.window_buffer, entries, ~skip, scape.step, decay, scale, scape.layout,
-                                      pieces, **hp)
-            return
-        s = scape.kernels.gather(grads, entries, scape.layout, pieces)  # read in place from p.grad
-        u = self._masked_update(mask, s, ~skip, hp)
-        scape.kernels.update(values, entries, u, decay, scale, scape.layout, pieces)
+        scape.kernels.sparse_step(self.rule, values, grads, self.momentum_buffer, self.statistics,
+                                  scape.window_buffer, entries, ~skip, scape.step, decay, scale, scape.layout,
+                                  pieces, **hp)
 
     def _decay_and_scale(self, groups: list[tuple[dict[str, Any], list[Tensor]]], skip: Tensor,
                          device: torch.device) -> tuple[list[Tensor | None], list[Tensor]]:
@@ -342,9 +349,11 @@ class ScapeAdamS(AdamS):
         if positions is not None:
             s = s.index_select(0, positions)
             applied = applied.index_select(0, positions) if applied.dim() else applied
-        windows = self.scape.window_buffer  # the window lengths n, if kept; marked exchanged now
-        u = self.kernels.masked_update(self.rule, self.momentum_buffer, self.statistics, windows, local, s, applied,
-                                       self.scape.step, **hp)
+        scape, windows = self.scape, self.scape.window_buffer  # the window lengths n, if kept; marked exchanged now
+        flat = scape.flat  # the buffers' 1-D views, made once
+        u = self.kernels.masked_update(self.rule, flat(self.momentum_buffer),
+                                       {k: flat(b) for k, b in self.statistics.items()},
+                                       None if windows is None else flat(windows), local, s, applied, scape.step, **hp)
         return u if positions is None else self.scape.shards.gather_updates(u, mask.density)
 
     def _entries_with_grad(self, params: list[Tensor], entries: Tensor, keep: Tensor) -> Tensor:

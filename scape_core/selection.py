@@ -161,7 +161,7 @@ class MaskSelector:
         rows = slice(0, self.layout.rows) if self.whole else self.partition
         sharded = self.config.shard_optimizer
         m = momentum if sharded or self.whole else momentum[rows]
-        e = None if residual is None else residual[rows]
+        e = residual if residual is None or self.whole else residual[rows]
         w = windows if windows is None or sharded or self.whole else windows[rows]
         groups = self.config.selection == "groups"
         if self.fusable(shape, scheduled, w):  # one compiled pass: score, exclusion, picks (and the entries)
@@ -197,11 +197,13 @@ class MaskSelector:
         """The ``(rows, k)`` int16 columns chosen for ``rows`` of the layout, whose ``m``, ``residual``
         and ``windows`` are given (those rows only): scored and selected a block at a time."""
         picked = []
-        for block in self.blocks(rows):  # one block but on the CPU
+        blocks = self.blocks(rows)  # one but on the CPU
+        for block in blocks:
             at = slice(block.start - rows.start, block.stop - rows.start)  # the block's rows in the buffers given
-            e = None if residual is None else residual[at]
-            w = None if windows is None else windows[at]
-            s = score(self.config.resolved_score, m[at], e, w, target, beta1,
+            part = (lambda t: t) if len(blocks) == 1 else (lambda t: t[at])  # no view of all of them
+            e = None if residual is None else part(residual)
+            w = None if windows is None else part(windows)
+            s = score(self.config.resolved_score, part(m), e, w, target, beta1,
                       out=self.workspace(block.stop - block.start), kernels=self.kernels)
             picked.append(SELECTIONS[self.config.selection](s, self.layout, shape, scheduled, block))
         return picked[0] if len(picked) == 1 else torch.cat(picked)
@@ -236,4 +238,4 @@ class MaskSelector:
             return None
         if self.scratch is None or self.scratch.shape[0] < rows:
             self.scratch = torch.zeros(rows, self.layout.chunk, device=self.layout.device)
-        return self.scratch[:rows]
+        return self.scratch if self.scratch.shape[0] == rows else self.scratch[:rows]

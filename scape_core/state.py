@@ -38,6 +38,18 @@ if not logging.getLogger().hasHandlers():  # as Lightning's logger: shown (stder
     log.propagate = False
 
 
+def all_true(verdicts: list[Tensor], device: torch.device) -> Tensor:
+    """Whether every 0-dim bool of ``verdicts`` is true (a 0-dim bool on the device; true for none).
+
+    Example:
+        >>> all_true([torch.tensor(True), torch.tensor(False)], torch.device("cpu"))
+        tensor(False)
+    """
+    if not verdicts:
+        return torch.ones((), dtype=torch.bool, device=device)
+    return verdicts[0] if len(verdicts) == 1 else torch.stack(verdicts).all()
+
+
 def scape_metrics(stats: dict[str, float]) -> dict[str, float]:
     """``scape/<counter>`` for the counters the adapters log (:meth:`ScapeState.stats`: cumulative
     on this rank since the run began, but ``step_compression``, the last step's).
@@ -84,6 +96,7 @@ class ScapeStateBase:
     streak: SkipStreak
     residual_buffer: Tensor | None
     window_buffer: Tensor | None
+    staging_buffer: Tensor | None
     _sparse: bool
     max_steps: int | None  # the run's optimizer steps, if known (the start-of-run line's warning)
     announced: bool  # the start-of-run line was said (announce)
@@ -128,6 +141,8 @@ class ScapeStateBase:
         self.residual_buffer: Tensor | None = None  # (rows, chunk) fp32, this rank's unsent gradient
         # (shard rows, chunk) fp32 (exact to 2^24 steps): the step each coordinate was last exchanged at
         self.window_buffer: Tensor | None = None
+        self.staging_buffer: Tensor | None = None  # (rows, chunk) fp32 scratch of the eager step (staging())
+        self._flats: dict[int, tuple[Tensor, Tensor]] = {}  # flat(): each buffer's 1-D view, by id
         self.skipped = torch.zeros((), dtype=torch.long, device=self.layout.device)  # on the device: no host read
         self.streak = SkipStreak(self.config.skip_streak_warning, self.rank, self.layout.device)
         self.optimizer: Any = None
@@ -155,6 +170,24 @@ class ScapeStateBase:
         """Whether the buffers of sparse steps exist (the first sparse step, or a loaded state, made them)."""
         return self._sparse
 
+    def staging(self) -> Tensor:
+        """The ``(rows, chunk)`` fp32 scratch buffer a sparse step's gradients pass through in the layout's
+        order (made at its first use): the hook stages and settles the exchange in it
+        (:mod:`scape_core.exchange`), the optimizer reads the synchronized gradients and writes the
+        update there (:class:`~scape_core.optimizer.ScapeAdamS`). It holds nothing between steps."""
+        if self.staging_buffer is None:
+            self.staging_buffer = self.layout.zeros()
+        return self.staging_buffer
+
+    def flat(self, buffer: Tensor) -> Tensor:
+        """The 1-D view of one of the step's persistent buffers (the residual, the staging buffer, the
+        optimizer's), made once per buffer: a sparse step writes them at the mask's entries, and a view
+        made each step is one more operator each."""
+        found = self._flats.get(id(buffer))
+        if found is None or found[0] is not buffer:
+            found = self._flats[id(buffer)] = (buffer, buffer.view(-1))
+        return found[1]
+
     def start_sparse(self) -> None:
         """Allocate the residual (and the windows) before the first sparse exchange."""
         self._sparse = True
@@ -166,6 +199,7 @@ class ScapeStateBase:
     def reset_sparse(self, started: bool) -> None:
         """Drop the sparse buffers (a state is being loaded) and make them anew, zeroed, if ``started``."""
         self.residual_buffer = self.window_buffer = None
+        self._flats.clear()  # the replaced buffers' views
         self._sparse = False
         self.buckets.forget_residual_views()
         if started:
@@ -240,8 +274,7 @@ class ScapeStateBase:
         if not self.announced:
             self.announce()
         self.record.applied_names = names_with_grad
-        finite = self.record.finite
-        skip = ~torch.stack(finite).all() if finite else torch.zeros((), dtype=torch.bool, device=self.layout.device)
+        skip = ~all_true(self.record.finite, self.layout.device)
         return (None if self.is_dense(self.step) else self.masks[self.step]), self.agree(skip)
 
     def unsynchronized(self, missing: list[str]) -> str:
@@ -255,8 +288,8 @@ class ScapeStateBase:
     def end_step(self, momentum: Tensor, beta1: float, skip: Tensor) -> None:
         """Close the step, then select the masks of upcoming steps from ``momentum`` (the shard's rows)."""
         self.skipped += skip
-        own = [x.finite for x in self.record.exchanges]  # this rank's own verdicts (sparse steps only)
-        self.streak.count(skip, ~torch.stack(own).all() if own else torch.zeros_like(skip), self.step)
+        own = self.record.local  # this rank's own verdicts (sparse steps only)
+        self.streak.count(skip, ~all_true(own, skip.device) if own else torch.zeros_like(skip), self.step)
         self.stepped()
         for name, n in self.record.counts.items():  # the step's hook calls and bytes, now that it completed
             self.counters[name] += n
@@ -347,15 +380,15 @@ class ScapeState(ScapeStateBase):
       only, for more bytes per step; bit-identical to the replicated mode.
     - ``kernels``: ``"compiled"`` runs the passes over every coordinate as ``torch.compile``'d
       fused loops (:mod:`scape_core.kernels`), the mask's pick among them: about a quarter of the
-      memory traffic of a sparse step and a fixed number of operators whatever the buckets, for a
-      compile in the first steps.
+      memory traffic of a sparse step, for a compile in the first steps. Either way a sparse step
+      dispatches a fixed number of operators whatever the tensors and buckets.
     - Build DDP with ``gradient_as_bucket_view=True`` where you can: ``p.grad`` is then the
       bucket's memory, which the hook writes, and DDP skips copying every bucket into ``p.grad``.
 
     The residual and the windows are flat ``(rows, chunk)`` fp32 buffers (:mod:`scape_core.layout`)
     with a view per parameter name: checkpoints stay keyed by name, never by DDP bucket.
     Non-finite gradients on any rank make every rank skip the step (``skipped_steps``), decided
-    on the device; values exchanged in clean buckets go back into the residuals.
+    on the device; the step is dropped whole (every residual as before it).
 
     Pieces: :attr:`selector` chooses the masks (:mod:`scape_core.selection`), :attr:`buckets`
     and :attr:`record` are the hook's (:mod:`scape_core.buckets`), :attr:`shards` the sharded

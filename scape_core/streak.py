@@ -38,17 +38,20 @@ class SkipStreak:
         # [consecutive skipped steps now, of them with this rank's own gradients non-finite,
         #  streaks that reached the limit, the step the last one did, this rank's own count then]
         self.counters = torch.zeros(5, dtype=torch.long, device=device)
+        self._step = torch.zeros(1, dtype=torch.long, device=device)  # count()'s step, on the device
+        # count()'s views of the counters, made once
+        self._runs, self._run, self._own = self.counters[:2], self.counters[0], self.counters[1:2]
+        self._tail, self._reached = self.counters[2:], self.counters[2:3]
         self._warned = 0
         self._copy: tuple[Tensor, Any] | None = None  # (host copy, its device event) in flight
 
     def count(self, skip: Tensor, own_bad: Tensor, step: int) -> None:
         """Step ``step`` ended: ``skip`` (0-dim bool) whether it was skipped, ``own_bad`` whether this
-        rank's own gradients were non-finite. A few 0-dim kernels, no host read."""
-        run = torch.where(skip, self.counters[:2] + torch.stack([skip, own_bad & skip]).long(), 0)
-        reached = run[0] == self.limit
-        count, at, own_then = self.counters[2:]
-        self.counters.copy_(torch.stack([*run, count + reached.long(), torch.where(reached, step, at),
-                                         torch.where(reached, run[1], own_then)]))
+        rank's own gradients were non-finite. A few 0-dim kernels on views made once, no host read."""
+        self._runs.add_(torch.stack([skip, own_bad])).mul_(skip)  # the streaks, reset by a taken step
+        self._step.fill_(step)
+        reached = self._run == self.limit
+        self._tail.copy_(torch.where(reached, torch.cat([self._reached + 1, self._step, self._own]), self._tail))
 
     def current(self) -> int:
         """Consecutive skipped steps now (reads the device)."""

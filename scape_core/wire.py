@@ -21,9 +21,9 @@ a reduce-scatter plus an all-gather), so bytes are counted as that buffer's size
 Integer wires scale each *block* of at most ``block`` values (inside a segment) by its largest
 magnitude: ``q = round(x / scale)`` with ``scale = max|x| / qmax`` (127 for int8, 7 for int4,
 two int4 values per byte), one fp32 scale per block, sent beside the values. A non-finite value
-travels as the one code no finite value uses (int8's -128, int4's 15 before the offset) and
-decodes as NaN: a rank with a non-finite gradient poisons those entries of the step, and the
-block's other values keep their finite scale.
+makes its block's scale non-finite, so the whole block decodes as NaN (or an infinity): a rank
+with a non-finite gradient poisons the exchange, which every rank then drops whole
+(:mod:`scape_core.exchange`). A few operators per stage, whatever the number of values.
 
 Example:
     >>> plan = WirePlan("int8", entries=10, world=2, block=4)
@@ -116,36 +116,35 @@ def encode(plan: WirePlan, x: Tensor) -> Tensor:
 
 
 def encode_decoded(plan: WirePlan, x: Tensor) -> tuple[Tensor, Tensor]:
-    """:func:`encode`, and what :func:`decode` gives back from those bytes (the same fp32 values,
-    NaN where ``x`` is not finite), computed before packing rather than decoded: what the sender
-    keeps of a value is ``x`` minus it.
+    """:func:`encode`, and what :func:`decode` gives back from those bytes (the same fp32 values),
+    computed before packing rather than decoded: what the sender keeps of a value is ``x`` minus it.
+    A block holding a non-finite value decodes as non-finite throughout (its scale is).
 
     Example:
         >>> plan = WirePlan("int4", entries=4, world=1, block=4)
-        >>> data, back = encode_decoded(plan, torch.tensor([[1.0, -2.0, 0.3, float("nan")]]))
-        >>> back, torch.equal(back.nan_to_num(), decode(plan, data).nan_to_num())
-        (tensor([[ 0.8571, -2.0000,  0.2857,     nan]]), True)
+        >>> data, back = encode_decoded(plan, torch.tensor([[1.0, -2.0, 0.3, 0.0]]))
+        >>> back, torch.equal(back, decode(plan, data))
+        (tensor([[ 0.8571, -2.0000,  0.2857,  0.0000]]), True)
     """
     if plan.wire == "bfloat16":
         data = x.to(torch.bfloat16)
         return data.view(torch.uint8), data.float()
     qmax = _QMAX[plan.wire]
     blocks = x.unflatten(-1, (plan.blocks, plan.block_len))
-    bad = ~torch.isfinite(blocks)  # travel as the reserved code: the block's other values keep their scale
-    scale = blocks.abs().masked_fill_(bad, 0.0).amax(-1, keepdim=True).div_(qmax)
-    q = blocks.div(torch.where(scale > 0, scale, 1.0)).round_().clamp_(-qmax, qmax)
-    decoded = (q * scale).masked_fill_(bad, float("nan")).flatten(-2)  # decode's q * scale, before packing
+    # an all-zero block: the smallest normal scale, so that 0 / scale is 0 (a NaN or inf propagates)
+    scale = blocks.abs().amax(-1, keepdim=True).div_(qmax).clamp_min_(torch.finfo(torch.float32).tiny)
+    q = blocks.div(scale).round_().clamp_(-qmax, qmax)
+    decoded = q.mul(scale).flatten(-2)  # decode's q * scale, before packing
     q = q.flatten(-2)
-    bad = bad.flatten(-2)
     if plan.wire == "int8":
-        values = q.masked_fill_(bad, -qmax - 1).to(torch.int8).view(torch.uint8)
+        values = q.to(torch.int8).view(torch.uint8)
     else:  # several values per byte, offset to 0..2 qmax
-        bits = _BITS[plan.wire]
-        u = q.add_(qmax).masked_fill_(bad, 2 * qmax + 1).to(torch.uint8)
-        values = u[..., 0::8 // bits].clone()
-        for i in range(1, 8 // bits):
-            values.bitwise_or_(u[..., i::8 // bits].bitwise_left_shift(bits * i))
-    return torch.cat([values, scale.squeeze(-1).contiguous().view(torch.uint8)], dim=-1), decoded
+        bits, per_byte = _BITS[plan.wire], 8 // _BITS[plan.wire]
+        u = q.add_(qmax).to(torch.uint8).unflatten(-1, (-1, per_byte))
+        values = u[..., 0]
+        for i in range(1, per_byte):
+            values = values | (u[..., i] << (bits * i))
+    return torch.cat([values, scale.flatten(-2).view(torch.uint8)], dim=-1), decoded
 
 
 def decode(plan: WirePlan, data: Tensor) -> Tensor:
@@ -158,20 +157,170 @@ def decode(plan: WirePlan, data: Tensor) -> Tensor:
     if plan.wire == "int8":
         q = values.view(torch.int8).float()
     else:
-        bits = _BITS[plan.wire]
-        parts = [values.bitwise_right_shift(bits * i).bitwise_and_((1 << bits) - 1) for i in range(8 // bits)]
+        bits, per_byte = _BITS[plan.wire], 8 // _BITS[plan.wire]
+        mask = (1 << bits) - 1
+        parts = [values & mask] + [(values >> (bits * i)) & mask for i in range(1, per_byte)]
         q = torch.stack(parts, dim=-1).flatten(-2).float().sub_(qmax)
-    q.masked_fill_(q.abs() > qmax, float("nan"))  # the reserved code: a non-finite value
     return q.unflatten(-1, (plan.blocks, plan.block_len)).mul_(scale.unsqueeze(-1)).flatten(-2)
 
 
 def pad(plan: WirePlan, x: Tensor) -> Tensor:
     """``x`` (``(..., entries)``) zero-padded and cut into segments: ``(..., world, segment)``."""
-    out = x.new_zeros(*x.shape[:-1], plan.world * plan.segment)
-    out[..., :plan.entries] = x
+    out = torch.nn.functional.pad(x, (0, plan.world * plan.segment - plan.entries))
     return out.unflatten(-1, (plan.world, plan.segment))
 
 
 def owner_mean(plan: WirePlan, received: Tensor) -> Tensor:
     """The owner's mean of its segment from every rank's encoded copy (``(world, row_bytes)``), ranks in order."""
     return decode(plan, received).sum(0).div_(plan.world)
+
+
+class WireBuffers:
+    """An encoded wire's three stages on buffers made once per :class:`WirePlan` (the eager path): :meth:`send`,
+    then (once :attr:`received` holds the all-to-all's result) :meth:`own_mean`, then (once :attr:`gathered`
+    holds the all-gather's) :meth:`decode_gathered`.
+
+    Every stage writes into these buffers with ``out=`` and in-place operators through views made here, so
+    a step makes no tensor and no view: a fixed number of operators whatever the plan, the same bytes as
+    :func:`encode`, :func:`decode` and :func:`owner_mean` (the readable reference, which the compiled
+    passes run; tests/test_wire.py checks both give the same bits). The buffers of one step are
+    overwritten by the next: what a stage returns is read before then (the exchange waits for its
+    collectives).
+
+    Example:
+        >>> plan = WirePlan("int4", entries=5, world=2, block=4)
+        >>> buffers = WireBuffers(plan, rank=0, device=torch.device("cpu"))
+        >>> data, kept = buffers.send(torch.tensor([1.0, -2.0, 0.3, 0.0, 0.5]))
+        >>> torch.equal(data, encode(plan, pad(plan, torch.tensor([1.0, -2.0, 0.3, 0.0, 0.5]))))
+        True
+    """
+
+    def __init__(self, plan: WirePlan, rank: int, device: torch.device) -> None:
+        self.plan = plan
+        w, b, n = plan.world, plan.blocks, plan.block_len
+        self.segments = torch.zeros(w * b, n, device=device)  # this rank's values, padded: the padding stays 0
+        self.values = self.segments.view(-1)[:plan.entries]
+        self.kept = torch.zeros(w * b, n, device=device)  # what the encoding rounded away
+        self.kept_values = self.kept.view(-1)[:plan.entries]
+        self.sent = _Encoded(plan, w, device)
+        self.copies = torch.empty(w * b, n, device=device)  # every rank's copy of this rank's segment, decoded
+        self._received = _Encoded(plan, w, device, decoded=self.copies)
+        self.received = self._received.data  # the all-to-all's output: every rank's copy of this rank's segment
+        self.by_rank = self.copies.view(w, -1)
+        self.mean = torch.empty(b, n, device=device)  # the owner's mean of its segment (then its rounding)
+        self.mean_flat = self.mean.view(-1)
+        self.own = _Encoded(plan, 1, device)
+        self.own_bytes = self.own.data.view(-1)
+        lo = rank * plan.segment  # the owner's segment among the entries
+        hi = max(lo, min(lo + plan.segment, plan.entries))
+        self.own_kept = self.kept_values[lo:hi]
+        self.own_rounding = self.mean_flat[:hi - lo]
+        self.gathered = torch.empty(w * plan.row_bytes, dtype=torch.uint8, device=device)  # the all-gather's output
+        self.means = torch.empty(w * b, n, device=device)
+        self.every = _Encoded(plan, w, device, data=self.gathered.view(w, plan.row_bytes), decoded=self.means)
+        self.means_values = self.means.view(-1)[:plan.entries]
+
+    def send(self, values: Tensor) -> tuple[Tensor, Tensor]:
+        """The first stage: ``values`` (``(entries,)`` fp32) encoded in segments; returns the bytes to send
+        (``(W, row_bytes)``) and what the encoding rounded away (``(entries,)``)."""
+        self.values.copy_(values)
+        self.sent.encode(self.segments, self.kept)
+        return self.sent.data, self.kept_values
+
+    def own_mean(self) -> Tensor:
+        """The owner's stage, from :attr:`received` (every rank's copy of this rank's segment): the mean,
+        encoded (returned, ``(row_bytes,)``), and ``W`` times what that encoding rounded away added to this
+        rank's kept values of its segment (the owner's residual keeps it)."""
+        self._received.decode()
+        torch.sum(self.by_rank, 0, out=self.mean_flat)
+        self.mean.div_(self.plan.world)
+        self.own.encode(self.mean, self.mean)  # the mean's rounding, in place
+        self.own_kept.add_(self.own_rounding.mul_(self.plan.world))
+        return self.own_bytes
+
+    def decode_gathered(self) -> Tensor:
+        """Every owner's encoded mean (:attr:`gathered`) decoded: the step's means, ``(entries,)``."""
+        self.every.decode()
+        return self.means_values
+
+
+class _Encoded:
+    """``rows`` encoded segments (``(rows, row_bytes)`` uint8, :attr:`data`) and the views the stages read
+    and write them through: the values' bytes, the scales' bytes, the codes' fields, and those of
+    ``decoded`` (``(rows * blocks, block_len)`` fp32), the buffer :meth:`decode` writes, if any."""
+
+    def __init__(self, plan: WirePlan, rows: int, device: torch.device, data: Tensor | None = None,
+                 decoded: Tensor | None = None) -> None:
+        self.plan, self.rows, self.decoded = plan, rows, decoded
+        self.data = torch.empty(rows, plan.row_bytes, dtype=torch.uint8, device=device) if data is None else data
+        self.value_bytes = self.data[:, :plan.value_bytes]
+        if plan.wire == "bfloat16":  # one block a segment: (rows, segment) throughout
+            self.bf16 = self.value_bytes.view(torch.bfloat16)
+            return
+        blocks = rows * plan.blocks
+        self.q = torch.empty(blocks, plan.block_len, device=device)
+        self.work = torch.empty(blocks, plan.block_len, device=device)
+        self.scale = torch.empty(blocks, 1, device=device)
+        self.scale_bytes = self.scale.view(rows, plan.blocks).view(torch.uint8)
+        self.data_scales = self.data[:, plan.value_bytes:]
+        bits = _BITS[plan.wire]
+        self.per_byte = 8 // bits
+        codes = self.q.view(rows, plan.segment)
+        out = None if decoded is None else decoded.view(rows, plan.segment)
+        if plan.wire == "int8":
+            self.int8 = self.value_bytes.view(torch.int8)
+            self.fields, self.out_fields = [codes], [out]
+        else:  # value i of each byte
+            self.fields = [codes[:, i::self.per_byte] for i in range(self.per_byte)]
+            self.out_fields = [None if out is None else out[:, i::self.per_byte] for i in range(self.per_byte)]
+            self.packed = torch.empty(rows, plan.value_bytes, device=device)
+            self.field = torch.empty(rows, plan.value_bytes, dtype=torch.uint8, device=device)
+
+    def encode(self, x: Tensor, rounding: Tensor) -> None:
+        """:func:`encode_decoded` of ``x`` (``(rows * blocks, block_len)`` fp32) into :attr:`data`, and ``x``
+        minus what decodes from it into ``rounding`` (may be ``x`` itself)."""
+        plan = self.plan
+        if plan.wire == "bfloat16":
+            self.bf16.copy_(x)
+            torch.sub(x, self.bf16, out=rounding)
+            return
+        qmax = _QMAX[plan.wire]
+        torch.abs(x, out=self.q)
+        torch.amax(self.q, 1, keepdim=True, out=self.scale)
+        self.scale.div_(qmax).clamp_min_(torch.finfo(torch.float32).tiny)
+        torch.div(x, self.scale, out=self.q).round_().clamp_(-qmax, qmax)
+        torch.mul(self.q, self.scale, out=self.work)
+        torch.sub(x, self.work, out=rounding)
+        if plan.wire == "int8":
+            self.int8.copy_(self.fields[0])
+        else:  # the byte's values at 2^(bits i), offset to 0..2 qmax each: exact small integers in fp32
+            bits = _BITS[plan.wire]
+            torch.add(self.fields[0], self.fields[1], alpha=2 ** bits, out=self.packed)
+            for i in range(2, self.per_byte):
+                self.packed.add_(self.fields[i], alpha=2 ** (bits * i))
+            self.packed.add_(qmax * sum(2 ** (bits * i) for i in range(self.per_byte)))
+            self.value_bytes.copy_(self.packed)
+        self.data_scales.copy_(self.scale_bytes)
+
+    def decode(self) -> None:
+        """:func:`decode` of :attr:`data` into :attr:`decoded`."""
+        plan, out = self.plan, self.decoded
+        if plan.wire == "bfloat16":
+            out.copy_(self.bf16)
+            return
+        qmax = _QMAX[plan.wire]
+        self.scale_bytes.copy_(self.data_scales)
+        if plan.wire == "int8":
+            self.out_fields[0].copy_(self.int8)
+            out.mul_(self.scale)
+            return
+        bits, mask = _BITS[plan.wire], (1 << _BITS[plan.wire]) - 1
+        for i, at in enumerate(self.out_fields):
+            if i == 0:
+                torch.bitwise_and(self.value_bytes, mask, out=self.field)
+            elif i == self.per_byte - 1:  # the top field: the shift alone
+                torch.bitwise_right_shift(self.value_bytes, bits * i, out=self.field)
+            else:
+                torch.bitwise_right_shift(self.value_bytes, bits * i, out=self.field).bitwise_and_(mask)
+            at.copy_(self.field)
+        out.sub_(qmax).mul_(self.scale)

@@ -31,14 +31,14 @@ CASES = {  # every sparse case runs at its named density (ramp_steps=0) unless i
     "dense": dict(config=dict(sparsity=0.0), steps=10),
     # rank 1's loss is non-finite at a dense step (1) and at a sparse step (6): both steps are skipped
     "skips": dict(config=dict(sparsity=0.9, warmup_steps=3, ramp_steps=0), steps=10, nonfinite_at=(1, 6)),
-    # rank 1's last layer alone gets a NaN gradient at a sparse step: its bucket is dropped, the others' values return
+    # rank 1's last layer alone (one bucket of several) gets a NaN gradient at a sparse step: the step is dropped whole
     "skip_one_bucket": dict(config=dict(sparsity=0.9, warmup_steps=3, ramp_steps=0), steps=9, bucket_cap_mb=0.01,
                             poison={6: (1, float("nan"), "all")}),
-    # the same on a rounding wire: the clean buckets' residuals keep each rank's rounding and the returned mean
+    # the same on a rounding wire (the NaN travels in one block's scale)
     "skip_one_bucket_int8": dict(config=dict(sparsity=0.9, warmup_steps=3, ramp_steps=0, wire="int8", wire_block=16),
                                  steps=9, bucket_cap_mb=0.01, poison={6: (1, float("nan"), "all")}),
     # one coordinate of the last layer off the step's mask, +inf on rank 1, then -inf on rank 0: the values
-    # exchanged stay finite, only the bucket's own check sees it (both ends of its range)
+    # exchanged would stay finite, only the rank's own check of its gradients sees it
     "inf_off_mask": dict(config=dict(sparsity=0.9, warmup_steps=3, ramp_steps=0), steps=9, bucket_cap_mb=0.01,
                          poison={5: (1, float("inf"), "one"), 6: (0, float("-inf"), "one")}),
     "bf16": dict(config=dict(sparsity=0.9, warmup_steps=2, ramp_steps=0), steps=12, dtype=torch.bfloat16),
@@ -173,8 +173,8 @@ def _maybe_slow(case: str) -> Any:
                                   for c in COMPILED])
 def test_compiled_cases_ran_the_compiled_passes(runs, default_runs, case):
     eager = case.removesuffix("_compiled")
-    want = {"AdamS", "pick", "stage", "verdicts", "residual", "finish", "update"}
-    want |= {"gather", "masked_update", "decay"} if "sharded" in case else {"sparse_step"}
+    want = {"AdamS", "pick", "stage", "residual", "finish"}
+    want |= {"masked_update"} if "sharded" in case else {"sparse_step", "update"}
     if eager == "dense":
         want = {"AdamS"}
     elif eager == "int4":
@@ -314,46 +314,29 @@ def test_skipped_steps_change_nothing_and_lose_nothing(runs, case):
 
 @pytest.mark.parametrize("case", ["skip_one_bucket", "skip_one_bucket_compiled", "skip_one_bucket_int8",
                                   "inf_off_mask"])
-def test_a_dropped_bucket_loses_its_gradient_and_clean_buckets_lose_nothing(runs, case):
-    """At each poisoned step every rank skips; the poisoned layer's bucket drops that step's gradient (each
-    rank's residual as before), every clean bucket loses nothing: off the mask each rank's residual is
-    ``e_r + g_r``, and the ranks' mean residual is their mean ``e_r + g_r`` everywhere (on a rounding wire:
-    each rank's rounding kept beside the mean that went back)."""
+def test_a_non_finite_gradient_anywhere_drops_the_whole_step_on_every_rank(runs, case):
+    """At each poisoned step (one bucket of several, or one coordinate off the mask, on one rank) every rank
+    skips, and the step is dropped whole, as a dense step or torch's GradScaler drops one: parameters, m and
+    every rank's residual, in the poisoned bucket and in the clean ones, stay as before the step. Over the run
+    applied + mean residual = the mean gradients of the steps that were not dropped."""
     steps = steps_of(runs, case)
     bad = sorted(CASES[case]["poison"])
     poisoned = next(names for names in runs[0][case]["buckets"] if "4.weight" in names)
+    assert len(runs[0][case]["buckets"]) > 1 and len(poisoned) < len(steps[0][0]["before"]["param"])
     skipped = [r[case]["skipped"] for r in runs]
     assert skipped == [len(bad)] * len(runs), f"{case}: skipped steps per rank {skipped}, want {len(bad)}"
     for t in bad:
-        recs = steps[t]
-        for rank, rec in enumerate(recs):  # the step is skipped: parameters and m stay
+        for rank, rec in enumerate(steps[t]):
             for name in rec["before"]["param"]:
                 where = f"{case} step {t} rank {rank} {name}"
                 assert torch.equal(rec["after"]["param"][name], rec["before"]["param"][name]), where
                 assert torch.equal(rec["after"]["m"][name], rec["before"]["m"][name]), where
-                before, after = rec["before"]["residual"][name], rec["after"]["residual"][name]
-                if name in poisoned:
-                    close(after, before, f"{where}: residual of the dropped bucket")
-                    continue
-                off = torch.ones_like(before, dtype=torch.bool)
-                off[recs[0]["mask"][name]] = False
-                close(after[off], (before + rec["grads"][name])[off], f"{where}: residual off the mask")
-        for name in [n for n in recs[0]["before"]["param"] if n not in poisoned]:
-            got = sum(r["after"]["residual"][name] for r in recs) / len(recs)
-            want = sum(r["before"]["residual"][name] + r["grads"][name] for r in recs) / len(recs)
-            close(got, want, f"{case} step {t} {name}: mean residual (nothing lost)")
-    dropped, kept = [], []
+                close(rec["after"]["residual"][name], rec["before"]["residual"][name], f"{where}: residual")
     for name in steps[0][0]["before"]["param"]:
         applied = sum(recs[0]["synced"][name] for t, recs in enumerate(steps) if t not in bad)
-        mean = [sum(r["grads"][name] for r in recs) / len(recs) for recs in steps]
+        grads = sum(sum(r["grads"][name] for r in recs) / len(recs) for t, recs in enumerate(steps) if t not in bad)
         residual = sum(r["after"]["residual"][name] for r in steps[-1]) / len(steps[-1])
-        without = (applied + residual - sum(g for t, g in enumerate(mean) if t not in bad)).abs().max()
-        with_it = ((applied + residual - sum(mean)).abs().max() if all(mean[t].isfinite().all() for t in bad)
-                   else float("inf"))
-        assert min(without, with_it) < 1e-5, f"{name}: gradient mass lost ({without}, {with_it})"
-        (dropped if without < 1e-5 else kept).append(name)
-    # the poisoned layer's bucket dropped those steps' gradients; a clean bucket's values went back to the residuals
-    assert sorted(dropped) == sorted(poisoned) and kept, (dropped, poisoned, kept)
+        close(applied + residual, grads, f"{case}: conservation of {name}", rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("case", ["bf16", slow("bf16_compiled")])
