@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+from pathlib import Path
 from typing import Any, Callable
 
 import accelerate
@@ -40,6 +41,8 @@ QUESTIONS = {
     "kernels": "The passes over every coordinate: eager (torch operators) or compiled (torch.compile'd fused loops)",
     "selection": "How each row's picks are chosen: topk (its k largest scores) or groups (the largest of each of "
                  "k contiguous groups: a reduction)",
+    "replica_check_every": "Optimizer steps between checks that every rank holds the same replicated state "
+                           "(0: never)",
 }
 
 
@@ -74,21 +77,29 @@ def _config_parser(sub: Any) -> None:
 def _config_command(args: argparse.Namespace) -> int:
     given = _given_settings(args)
     try:
-        chosen = given if given else _ask_all()
+        target = Path(args.scape_config_file).expanduser() if args.scape_config_file else S.default_config_file()
+        existing = S.load_config_file(target) if target.is_file() else {}  # kept unless given again
+        chosen = {**existing, **(given if given else _ask_all(existing))}
         config = ScapeConfig(**chosen)
-        path = S.write_config_file(config, args.scape_config_file, names=chosen)  # only what was chosen
+        path = S.write_config_file(config, target, names=chosen)  # only what was chosen, now or before
     except (TypeError, ValueError, OSError) as e:
         return _fail("config", e)
+    kept = [n for n in existing if n not in given]
+    if given and kept:
+        print(f"kept from the file: {', '.join(f'{n}={existing[n]!r}' for n in kept)} (delete the file to start "
+              "over)")
     print(f"SCAPE configuration saved at {path}")
     return 0
 
 
-def _ask_all() -> dict[str, Any]:
-    """Each setting asked in turn; the answers given (an empty answer keeps the default: not returned)."""
+def _ask_all(current: dict[str, Any]) -> dict[str, Any]:
+    """Each setting asked in turn; the answers given (an empty answer keeps the value shown: the file's
+    ``current`` one, else the default, which is not written)."""
     values = {}
     for name, default in S.fields().items():
         question = QUESTIONS.get(name, name).format(rules=", ".join(sorted(UPDATE_RULES)))
-        shown = ("yes" if default else "no") if isinstance(default, bool) else default
+        value = current.get(name, default)
+        shown = ("yes" if value else "no") if isinstance(value, bool) else value
         while True:
             try:
                 raw = input(f"{question} [{shown}]: ").strip()

@@ -68,10 +68,10 @@ class ScapePlugin:
             start-of-run line then warns when they end before the target density.
         **settings: ``ScapeConfig`` fields (``sparsity``, ``warmup_steps``, ``mask_delay``,
             ``mask_refresh``, ``error_feedback``, ``score``, ``update``, ``ramp_steps``, ``chunk_size``,
-            ``shard_optimizer``, ``wire``, ``wire_block``, ``skip_streak_warning``, ``kernels``, ``selection``): the
-            highest precedence. With ``shard_optimizer=True``, ``save_state`` writes the whole
-            optimizer state (every rank gathers its shard) and ``load_state`` gives each rank its
-            part, at any world size.
+            ``shard_optimizer``, ``wire``, ``wire_block``, ``skip_streak_warning``, ``kernels``, ``selection``,
+            ``replica_check_every``): the highest precedence. With ``shard_optimizer=True``,
+            ``save_state`` writes the whole optimizer state (every rank gathers its shard) and
+            ``load_state`` gives each rank its part, at any world size.
 
     Example:
         >>> accelerator = Accelerator(mixed_precision="bf16")     # doctest: +SKIP

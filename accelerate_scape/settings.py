@@ -118,6 +118,10 @@ def resolve_settings(
     path = Path(config_file).expanduser() if config_file is not None else default_config_file(env)
     if config_file is not None and not path.is_file():
         raise FileNotFoundError(f"SCAPE config file {path} does not exist (write it with `accelerate-scape config`)")
+    if config_file is None and env.get(CONFIG_FILE_ENV) and not path.is_file():  # named, so meant: not skipped
+        what = "is a folder" if path.is_dir() else "does not exist"
+        raise FileNotFoundError(f"{CONFIG_FILE_ENV}={env[CONFIG_FILE_ENV]} names no SCAPE config file: {path} {what}. "
+                                f"Point it at the file (write one with `accelerate-scape config`), or unset it")
     found = path.is_file()
     from_file = load_config_file(path) if found else {}
 

@@ -39,9 +39,10 @@ class ScapeStrategy(TrainerStrategyMixin, DDPStrategy):
         config: a :class:`scape_core.ScapeConfig`; keyword fields below override it.
         **kwargs: any ``ScapeConfig`` field (``sparsity``, ``warmup_steps``, ``mask_delay``,
             ``mask_refresh``, ``error_feedback``, ``score``, ``update``, ``ramp_steps``, ``chunk_size``,
-            ``shard_optimizer``, ``wire``, ``wire_block``, ``skip_streak_warning``, ``kernels``, ``selection``), any
-            ``DDPStrategy`` argument (``start_method``, ``timeout``, ...) and any ``DistributedDataParallel``
-            argument (``find_unused_parameters``, ``static_graph``, ...). ``ddp_comm_hook`` and
+            ``shard_optimizer``, ``wire``, ``wire_block``, ``skip_streak_warning``, ``kernels``, ``selection``,
+            ``replica_check_every``), any ``DDPStrategy`` argument (``start_method``, ``timeout``, ...)
+            and any ``DistributedDataParallel`` argument (``find_unused_parameters``, ``static_graph``,
+            ...). ``ddp_comm_hook`` and
             model averaging are refused: SCAPE is the communication hook.
 
     Example::

@@ -80,6 +80,7 @@ def gather_state_dict(state: "ScapeState") -> dict[str, Any]:
         >>> len(full["residuals"]) == dist.get_world_size()     # rank 0 then saves it
         True
     """
+    state.guard.check(state)  # a checkpoint of ranks that drifted apart would resume the drift
     own = state_dict(state)
     if own.pop("windows_rows", None) is not None and state.window_buffer is not None:  # every rank's part
         whole = state.shards.unshard(state.window_buffer)

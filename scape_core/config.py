@@ -77,6 +77,11 @@ class ScapeConfig:
             score, the decay and update, dense AdamS) as torch operators; ``"compiled"`` runs them
             as ``torch.compile``'d fused loops (:mod:`scape_core.kernels`): fewer passes over memory
             (``docs/benchmarks.md``), at a compile of seconds per pass in each process's first steps.
+        replica_check_every: optimizer steps between checks that every rank holds the same replicated
+            state (parameters, ``m``, the rule's statistics, windows, scheduled masks): one small all-gather
+            of 64-bit fingerprints and one read of the device, at the first step, every this many and before
+            every checkpoint is gathered; a mismatch raises on every rank, naming the first buffer and
+            parameter that differ (:mod:`scape_core.replicas`). ``0``: never check.
         selection: how a row's ``k`` picks are chosen from the score. ``"groups"`` (default): the
             row cut into ``k`` contiguous groups of ``chunk_size // k`` or one more coordinates,
             and the largest score of each (ties: the lowest column): a reduction instead of a
@@ -107,6 +112,7 @@ class ScapeConfig:
     skip_streak_warning: int = 5
     kernels: str = "eager"
     selection: str = "groups"
+    replica_check_every: int = 100
 
     def __post_init__(self) -> None:
         normalized = {  # any real number type (numpy scalars included) is kept as a Python float / int
@@ -117,6 +123,7 @@ class ScapeConfig:
             "ramp_steps": _check_int("ramp_steps", self.ramp_steps, minimum=0),
             "chunk_size": _check_int("chunk_size", self.chunk_size, minimum=16),
             "skip_streak_warning": _check_int("skip_streak_warning", self.skip_streak_warning, minimum=0),
+            "replica_check_every": _check_int("replica_check_every", self.replica_check_every, minimum=0),
         }
         for name, value in normalized.items():
             object.__setattr__(self, name, value)  # the dataclass is frozen
@@ -185,8 +192,9 @@ class ScapeConfig:
 
     @property
     def schedule(self) -> MaskSchedule:
-        """The mask schedule these settings describe (its sparsity: the coordinates')."""
-        sparsity = self.sparsity if self.resolved_wire == "native" else 1.0 - self.density
+        """The mask schedule these settings describe (its sparsity: the coordinates'; every step dense at
+        ``sparsity=0``, whatever the wire)."""
+        sparsity = self.sparsity if self.dense or self.resolved_wire == "native" else 1.0 - self.density
         return MaskSchedule(sparsity, self.warmup_steps, self.ramp_steps, self.mask_delay, self.mask_refresh)
 
     @property
@@ -197,8 +205,10 @@ class ScapeConfig:
         Example:
             >>> round(ScapeConfig(sparsity=0.99, wire="int4").density, 4)  # 4 bits + 32 per 128 values
             0.0753
+            >>> ScapeConfig(sparsity=0.0, wire="int4").density   # every step dense: the wire is unused
+            1.0
         """
-        if self.resolved_wire == "native":
+        if self.dense or self.resolved_wire == "native":
             return 1.0 - float(self.sparsity)
         return self._coordinates()
 
@@ -256,10 +266,26 @@ class ScapeConfig:
         """
         return [f.name for f in dataclasses.fields(self) if getattr(self, f.name) != f.default]
 
-    def describe_run(self, total_steps: int | None = None, sources: Mapping[str, str] | None = None) -> str:
+    def bytes_share(self, coordinates: float | None = None) -> float:
+        """The share of a dense fp32 exchange's bytes a sparse step at the target density sends when it
+        exchanges the share ``coordinates`` of the coordinates (default: :attr:`density`, what the
+        ``sparsity`` asks for; a layout's masks take more where a row's ``k`` rounds up,
+        :meth:`scape_core.layout.MaskShape.entries`).
+
+        Example:
+            >>> ScapeConfig(sparsity=0.9999, wire="native").bytes_share(1 / 16)  # a row of 16 picks one at least
+            0.0625
+        """
+        share = self.density if coordinates is None else coordinates
+        return share if self.resolved_wire == "native" else share * self._bits() / 32
+
+    def describe_run(self, total_steps: int | None = None, sources: Mapping[str, str] | None = None,
+                     sent: float | None = None) -> str:
         """The one line every adapter prints at the start of a run: the settings that differ from the
         defaults (with where each came from, ``sources``, unless ``"argument"``), the step sparse steps
-        begin at, the step the target density is reached at, and ``total_steps`` if known.
+        begin at, the step the target density is reached at, and ``total_steps`` if known. ``sent``: the
+        share of dense bytes a sparse step really sends (:meth:`bytes_share` of the layout's masks), said
+        beside the target's where it is out of reach (:data:`OUT_OF_REACH` times it or more).
 
         Example:
             >>> print(ScapeConfig(warmup_steps=30, ramp_steps=90).describe_run(300))
@@ -285,8 +311,12 @@ target density 0.1 (native wire, 10% of dense bytes) from step 0
             plan = (f"steps 0-{w - 1} dense (warm-up), " if w else "") + f"sparse from step {w}"
             if target > w:
                 plan += f" at density {start:.3g}"
-            plan += (f", at the target density {self.density:.3g} ({self.resolved_wire} wire, "
-                     f"{(1 - self.sparsity) * 100:.3g}% of dense bytes) from step {target}")
+            share = f"{(1 - self.sparsity) * 100:.3g}% of dense bytes"
+            if sent is not None and sent > OUT_OF_REACH * (1 - self.sparsity):
+                share = (f"{sent * 100:.3g}% of dense bytes, not {(1 - self.sparsity) * 100:.3g}%: each row of "
+                         f"chunk_size={self.chunk_size} and each parameter's last row picks at least one coordinate")
+            plan += (f", at the target density {self.density:.3g} ({self.resolved_wire} wire, {share}) from step "
+                     f"{target}")
         if self.shard_optimizer:
             plan += (" (shard_optimizer: each step also all-gathers the rows each rank owns, the updates on sparse "
                      "steps and the parameters on dense ones, in whole rows of chunk_size, counted in bytes_sent: "
@@ -314,6 +344,14 @@ target density 0.1 (native wire, 10% of dense bytes) from step 0
         if saved.get("sparsity") != self.sparsity:
             raise ValueError(f"SCAPE state was saved with sparsity={saved.get('sparsity')}, this run uses "
                              f"sparsity={self.sparsity}")
+        was = _resolved_wire(saved)
+        if was is not None and was != self.resolved_wire:
+            raise ValueError(f"SCAPE state was saved on the {was} wire (wire={saved.get('wire')!r}, "
+                             f"shard_optimizer={saved.get('shard_optimizer')}), this run would use the "
+                             f"{self.resolved_wire} wire (wire={self.wire!r}, shard_optimizer={self.shard_optimizer}): "
+                             "the wire sets how many coordinates each mask holds, so the saved masks and residuals "
+                             f"belong to the {was} wire. Resume with wire={was!r} (wire='auto' picks native when the "
+                             "optimizer is sharded, an encoded wire from sparsity 0.95 when it is not)")
         held = {int(t) for t in masks}
         # masks chosen before the checkpoint: sparse steps whose selecting step (t - 1 - delay) came before it
         needed = [t for t in range(step, step + self.mask_delay + 1)
@@ -346,6 +384,61 @@ target density 0.1 (native wire, 10% of dense bytes) from step 0
     def to_dict(self) -> dict[str, Any]:
         """Plain dict of the fields (for checkpoints and logs)."""
         return dataclasses.asdict(self)
+
+
+# a layout whose masks send this many times the bytes the sparsity asks for (every row picks one at least, a
+# parameter's last row too) is out of reach: the start-of-run line says what is sent, and it warns
+OUT_OF_REACH = 1.5
+ENV_PREFIX = "SCAPE_"  # accelerate_scape reads SCAPE_<FIELD> variables (accelerate_scape.settings)
+
+
+def unread_environment(config: ScapeConfig, environ: Mapping[str, str]) -> str | None:
+    """What to say when ``SCAPE_<FIELD>`` variables are set to values this run does not use (``None``:
+    none are). Only ``accelerate_scape`` reads them, below the arguments given there; ``ScapeState``,
+    Lightning's and FSDP2's ways in take their settings as arguments.
+
+    Example:
+        >>> print(unread_environment(ScapeConfig(), {"SCAPE_SPARSITY": "0.5", "SCAPE_WARMUP_STEPS": "50"}))
+        SCAPE: SCAPE_SPARSITY=0.5 is set, but this run uses sparsity=0.99: only accelerate_scape (ScapePlugin, \
+accelerate-scape launch, ScapeTrainer) reads SCAPE_* variables, below the arguments given there. Pass the setting as \
+an argument (ScapeState(..., sparsity=...), ScapeStrategy(sparsity=...), scape_fsdp(..., sparsity=...)), or unset it
+    """
+    unread = []
+    for f in dataclasses.fields(ScapeConfig):
+        raw = environ.get(ENV_PREFIX + f.name.upper(), "").strip()
+        value = getattr(config, f.name)
+        if raw and not _same_text(value, raw):
+            unread.append((f"{ENV_PREFIX}{f.name.upper()}={raw}", f"{f.name}={value!r}", f.name))
+    if not unread:
+        return None
+    given = ", ".join(v for v, _, _ in unread)
+    used = ", ".join(u for _, u, _ in unread)
+    example = unread[0][2]
+    return (f"SCAPE: {given} {'is' if len(unread) == 1 else 'are'} set, but this run uses {used}: only "
+            "accelerate_scape (ScapePlugin, accelerate-scape launch, ScapeTrainer) reads SCAPE_* variables, below the "
+            f"arguments given there. Pass the setting as an argument (ScapeState(..., {example}=...), "
+            f"ScapeStrategy({example}=...), scape_fsdp(..., {example}=...)), or unset it")
+
+
+def _same_text(value: Any, raw: str) -> bool:
+    """Whether the text of an environment variable means ``value`` (a field's)."""
+    if isinstance(value, bool):
+        return raw.lower() in (("1", "true", "yes", "on") if value else ("0", "false", "no", "off"))
+    if isinstance(value, (int, float)):
+        try:
+            return float(raw) == float(value)
+        except ValueError:
+            return False
+    return raw == str(value)
+
+
+def _resolved_wire(saved: Mapping[str, Any]) -> str | None:
+    """The wire a saved config dict resolved to (``None`` if it names a field this version lacks)."""
+    known = {f.name for f in dataclasses.fields(ScapeConfig)}
+    try:
+        return ScapeConfig(**{k: v for k, v in saved.items() if k in known}).resolved_wire
+    except (TypeError, ValueError):
+        return None
 
 
 def _what(value: Any) -> str:

@@ -302,16 +302,19 @@ class ScapeFSDPAdamS(ScapeAdamS):
                 "after fully_shard, or not part of the model?)")
 
 
-def fsdp_rank_state(optimizer: ScapeFSDPAdamS) -> dict[str, Any]:
+def fsdp_rank_state(optimizer: ScapeFSDPAdamS, check: bool = True) -> dict[str, Any]:
     """This rank's optimizer and SCAPE state as DCP saves it beside the model: ``{"rank<r>": {...}}``.
 
     Each rank's entry has its own key (its shards differ; DCP would keep one copy of a plain tensor
     saved under one key by every rank). For frameworks that write the checkpoint themselves
-    (Lightning's ``optimizer_state``); :func:`load_fsdp_checkpoint` reads it back.
+    (Lightning's ``optimizer_state``); :func:`load_fsdp_checkpoint` reads it back. Collective when
+    ``check`` (a save): the replicas' state is compared first (:mod:`scape_core.replicas`).
 
     Example:
         >>> dcp.save({"model": model.state_dict(), **fsdp_rank_state(opt)}, checkpoint_id=path)  # doctest: +SKIP
     """
+    if check:  # DCP saves on every rank: the replicas agree before anything is written
+        optimizer.scape.guard.check(optimizer.scape)
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     opt = dict(momentum=optimizer.momentum_buffer, steps=optimizer.steps, **optimizer.statistics,
                groups=json.dumps(groups))  # text: DCP would flatten a dict into one entry per value
@@ -366,7 +369,7 @@ def load_fsdp_checkpoint(checkpoint_id: Any, model: nn.Module, optimizer: ScapeF
         for name in ("residual", "windows"):
             if meta[name]:
                 scape[name] = layout.zeros()
-        mine = fsdp_rank_state(optimizer)
+        mine = fsdp_rank_state(optimizer, check=False)  # the structure to load into
         mine[key]["scape"] = scape
         entries.update(nest(mine))
     dcp.load(entries, checkpoint_id=checkpoint_id)  # the optimizer's buffers in place

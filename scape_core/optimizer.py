@@ -41,7 +41,8 @@ class ScapeAdamS(AdamS):
     the state's staging buffer, gathers and scatters at the mask's entries on flat buffers, one
     multi-tensor decay and update per parameter group), and never reads the device from the host.
     Parameter groups may differ in ``lr`` and ``weight_decay``; ``betas`` and ``eps`` must be the
-    same in every group (the masked update is one kernel over all of them).
+    same in every group (the masked update is one kernel over all of them). It must own every
+    parameter its state synchronizes.
 
     With ``ScapeState(..., shard_optimizer=True)`` the buffers hold only the state's shard (this
     rank's block of rows) and ``optimizer.state[p]`` this rank's part of each parameter, flat
@@ -81,6 +82,13 @@ class ScapeAdamS(AdamS):
         self._views: dict[tuple[str, ...], list[Tensor]] = {}  # staging views per set of parameters
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=foreach,
                          kernels=state.config.kernels)
+        left_out = [n for n in state.params if n not in set(self._names.values())]
+        if left_out:  # the hook flushes their residuals into gradients only this optimizer applies
+            raise ValueError(f"{type(self).__name__} must own every parameter its state synchronizes; "
+                             f"{len(left_out)} are left out ({left_out[:5]}{', ...' if len(left_out) > 5 else ''}): "
+                             "SCAPE's hook exchanges them, and their unsent gradients live in its residual, which "
+                             "only this optimizer applies. Build it from ddp.parameters() (parameter groups may "
+                             "differ in lr and weight_decay), or freeze those parameters before wrapping in DDP")
         self.kernels = state.kernels  # one set of compiled passes per state
         state.optimizer = self
 

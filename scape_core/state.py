@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import warnings
 from typing import Any, Mapping
 
@@ -12,12 +13,13 @@ from torch import Tensor, nn
 
 from scape_core import checkpoint, exchange, inflight
 from scape_core.buckets import Buckets, StepRecord
-from scape_core.config import ScapeConfig, check_max_steps
+from scape_core.config import OUT_OF_REACH, ScapeConfig, check_max_steps, unread_environment
 from scape_core.diagnose import DDPWatch
 from scape_core.kernels import Kernels
 from scape_core.layout import FlatLayout, Shard
 from scape_core.masks import Mask
 from scape_core.model import check_ddp_model, parameter_names
+from scape_core.replicas import ReplicaGuard
 from scape_core.schedule import MaskSchedule
 from scape_core.selection import MaskSelector
 from scape_core.sharding import ShardExchange
@@ -110,6 +112,9 @@ class ScapeStateBase:
         if sparsity is not None:
             fields["sparsity"] = sparsity
         self.config = (config or ScapeConfig()).replace(**fields)
+        unread = unread_environment(self.config, os.environ)
+        if unread and not (dist.is_initialized() and dist.get_rank() != 0):
+            warnings.warn(unread, stacklevel=3)
         self.schedule = self.config.schedule
         self.max_steps = check_max_steps(max_steps)
         self.announced = False
@@ -145,7 +150,12 @@ class ScapeStateBase:
         self._flats: dict[int, tuple[Tensor, Tensor]] = {}  # flat(): each buffer's 1-D view, by id
         self.skipped = torch.zeros((), dtype=torch.long, device=self.layout.device)  # on the device: no host read
         self.streak = SkipStreak(self.config.skip_streak_warning, self.rank, self.layout.device)
+        self.guard = ReplicaGuard(self.config.replica_check_every)  # every rank holds the same replicated state
         self.optimizer: Any = None
+
+    def local_params(self) -> dict[str, Tensor]:
+        """Each parameter's tensor on this rank, by name (under FSDP2, its local shard)."""
+        return {n: getattr(p, "_local_tensor", p) for n, p in self.params.items()}
 
     @property
     def shard(self) -> Shard:
@@ -216,6 +226,7 @@ class ScapeStateBase:
         each parameter, or the whole shard buffer), the counters and the skipped steps."""
         self.selector.load(masks)
         self.step = int(step)
+        self.guard.loaded = True  # the next step compares the ranks' states
         self.reset_sparse(sparse_started)
         for buffer, saved, view in ((self.residual_buffer, residual, self.layout.view),
                                     (self.window_buffer, windows, self.shard.view)):
@@ -256,10 +267,24 @@ class ScapeStateBase:
         total = check_max_steps(total_steps) if total_steps is not None else self.max_steps
         if dist.is_initialized() and dist.get_rank() != 0:
             return
-        log.info(self.config.describe_run(total, sources))
+        sent = self.sent_share()
+        log.info(self.config.describe_run(total, sources, sent=sent))
         warning = self.config.short_run_warning(total) if total is not None else None
         if warning:
             warnings.warn(warning, stacklevel=2)
+        if sent is not None and sent > OUT_OF_REACH * (1 - self.config.sparsity):
+            warnings.warn(f"SCAPE: sparsity={self.config.sparsity} is out of reach with chunk_size="
+                          f"{self.config.chunk_size} on this model: every row (and every parameter's last row) "
+                          f"exchanges at least one coordinate, so a sparse step sends {sent * 100:.3g}% of dense "
+                          f"bytes. Raise chunk_size (at most 32768) or lower sparsity", stacklevel=2)
+
+    def sent_share(self) -> float | None:
+        """The share of dense bytes a sparse step at the target density sends on this layout (``None``
+        when every step is dense)."""
+        if self.config.dense:
+            return None
+        shape = self.layout.mask_shape(self.schedule.density)
+        return self.config.bytes_share(shape.entries / sum(self.layout.numel.values()))
 
     # ----- the optimizer step ---------------------------------------------------------
     def begin_step(self, names_with_grad: list[str]) -> tuple[Mask | None, Tensor]:
@@ -304,6 +329,8 @@ class ScapeStateBase:
         self._counted_before = now
         if self.step % STREAK_CHECK_EVERY == 0:
             self.streak.poll()
+        if self.guard.due(self.step):
+            self.guard.check(self)
 
     def stepped(self) -> None:
         """The optimizer has written this step into the regions (before the record is replaced)."""
@@ -382,6 +409,8 @@ class ScapeState(ScapeStateBase):
       fused loops (:mod:`scape_core.kernels`), the mask's pick among them: about a quarter of the
       memory traffic of a sparse step, for a compile in the first steps. Either way a sparse step
       dispatches a fixed number of operators whatever the tensors and buckets.
+    - ``replica_check_every``: steps between checks that every rank holds the same replicated state
+      (:mod:`scape_core.replicas`); 100 by default, 0 never.
     - Build DDP with ``gradient_as_bucket_view=True`` where you can: ``p.grad`` is then the
       bucket's memory, which the hook writes, and DDP skips copying every bucket into ``p.grad``.
 

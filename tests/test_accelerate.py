@@ -307,6 +307,15 @@ def test_precedence_arguments_env_file_defaults(tmp_path):
     assert resolve_settings(environ=xdg).sources["sparsity"] == "default"
 
 
+def test_a_config_file_variable_naming_no_file_is_an_error(tmp_path):
+    (tmp_path / "a.yaml").write_text("sparsity: 0.8\n")
+    for named, what in ((tmp_path / "a.yml", "does not exist"), (tmp_path, "is a folder")):
+        with pytest.raises(FileNotFoundError) as e:  # was: ignored, the run at the defaults (issue 43)
+            resolve_settings(environ={"SCAPE_CONFIG_FILE": str(named)})
+        assert f"SCAPE_CONFIG_FILE={named} names no SCAPE config file" in str(e.value) and what in str(e.value)
+    assert resolve_settings(environ={"SCAPE_CONFIG_FILE": str(tmp_path / "a.yaml")}).config.sparsity == 0.8
+
+
 def test_environment_round_trip():
     config = ScapeConfig(sparsity=0.95, warmup_steps=3, mask_delay=0, error_feedback=False, score="momentum")
     assert resolve_settings(environ=to_environ(config) | {"HF_HOME": "/nonexistent"}).config == config
@@ -447,14 +456,18 @@ def test_cli_config_interactive_flags_and_env(tmp_path):
     env = _env(tmp_path)
     path = Path(env["HF_HOME"]) / "accelerate" / "scape_config.yaml"
     # interactive: an invalid answer is asked again, empty answers keep defaults
-    answers = "0.8\nabc\n5\n\n\nno\n\n\n\n\nyes\n\n\n\n\n\n"  # one line per ScapeConfig field (abc: asked again)
+    answers = "0.8\nabc\n5\n\n\nno\n\n\n\n\nyes\n\n\n\n\n\n\n"  # one line per ScapeConfig field (abc: asked again)
     proc = _run(_scape_cli() + ["config"], env, input=answers)
     assert "expects an int" in proc.stdout and str(path) in proc.stdout
     # only the answers given are written: the rest take each script's own defaults (issue 34)
     assert load_config_file(path) == dict(sparsity=0.8, warmup_steps=5, error_feedback=False, shard_optimizer=True)
-    # flags: no prompts, hyphen or underscore spelling; only the flags are written
-    _run(_scape_cli() + ["config", "--sparsity", "0.9", "--warmup-steps", "3", "--mask_refresh", "2"], env)
-    assert load_config_file(path) == dict(sparsity=0.9, warmup_steps=3, mask_refresh=2)
+    # flags: no prompts, hyphen or underscore spelling; the flags are written over the file's settings, which stay
+    # (issue 43: an earlier config's keys were dropped silently), and the command says which it kept
+    kept = _run(_scape_cli() + ["config", "--sparsity", "0.9", "--warmup-steps", "3", "--mask_refresh", "2"], env)
+    assert load_config_file(path) == dict(sparsity=0.9, warmup_steps=3, error_feedback=False, shard_optimizer=True,
+                                          mask_refresh=2)
+    assert "kept from the file: error_feedback=False, shard_optimizer=True" in kept.stdout
+    path.write_text("sparsity: 0.9\nwarmup_steps: 3\nmask_refresh: 2\n")
     bad = _run(_scape_cli() + ["config", "--sparsity", "1.5"], env, check=False)
     assert bad.returncode != 0 and "sparsity must be in [0, 1), got 1.5" in bad.stderr
     assert load_config_file(path)["sparsity"] == 0.9  # a refused command writes nothing

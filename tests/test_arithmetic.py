@@ -91,7 +91,7 @@ def _record(rank: int, world: int, cases: dict) -> dict:
         dtype = spec.get("dtype", torch.float32)
         model = make_model(dtype=dtype)
         ddp = DDP(model, bucket_cap_mb=spec.get("bucket_cap_mb", 25))
-        state = ScapeState(ddp, config=ScapeConfig(**spec["config"]))
+        state = ScapeState(ddp, config=ScapeConfig(**spec["config"]), replica_check_every=3)  # never fires
         local: dict = {}
         ddp.register_comm_hook(state, recording_hook(local, {id(p): n for n, p in state.params.items()}))
         opt = ScapeAdamS(ddp.parameters(), state, lr=lr_at(0), betas=BETAS, eps=EPS, weight_decay=WD)

@@ -1,0 +1,115 @@
+"""The replica guard: every rank holds the same replicated state, checked while training runs.
+
+SCAPE's correctness rests on one invariant: every rank that shares parameters holds bit-identical
+parameters, ``m``, update-rule statistics, windows and scheduled masks, because each rank selects
+the next mask and applies the next update from them alone. A nondeterministic kernel, a per-rank
+seed or initialization, a rank that loaded another checkpoint or a parameter changed on one rank
+would break it silently: every mask after would be wrong, with no error.
+
+:class:`ReplicaGuard` compares a fingerprint of that state across the ranks (the group SCAPE
+exchanges over: DDP's, or the replicate dimension of FSDP2) at the first step, every
+``ScapeConfig.replica_check_every`` optimizer steps and before every checkpoint is gathered: per
+parameter and buffer, the sum of the values' bits as 64-bit integers (a change of one ulp changes
+it), all-gathered in one small collective (``8 x buffers x parameters`` bytes a rank). On a
+mismatch every rank raises the same error, naming the first buffer and parameter that differ, the
+step and the likely causes. A check reads the device once (the verdict); steps between checks do
+nothing.
+
+With ``shard_optimizer`` each rank keeps its own rows of ``m``, the statistics and the windows, so
+the parameters and the masks are compared.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from scape_core.compat import all_gather_into_tensor
+
+if TYPE_CHECKING:
+    from scape_core.state import ScapeStateBase
+
+CAUSES = ("a nondeterministic kernel in what every rank computes alike (the optimizer step, the mask's "
+          "selection; the model's own forward and backward may differ: gradients are each rank's own), "
+          "different seeds or initialization of the parameters or the optimizer state per rank, a rank that "
+          "loaded another checkpoint, or a parameter or optimizer state changed on one rank only")
+
+
+class ReplicaMismatch(RuntimeError):
+    """The ranks' replicated state differs (every rank raises it, with the same message)."""
+
+
+class ReplicaGuard:
+    """Compares every rank's fingerprint of the replicated state (see the module docstring).
+
+    Example:
+        >>> from scape_core import ScapeState
+        >>> state = ScapeState(ddp, sparsity=0.99, replica_check_every=100)
+        >>> state.guard.due(100), state.guard.due(150)
+        (True, False)
+        >>> state.guard.check(state)   # collective: every rank calls it (ScapeState.end_step does)
+    """
+
+    def __init__(self, every: int) -> None:
+        self.every = every
+        self.loaded = False  # a state was loaded: the next step checks whatever the interval
+        self._row_param: Tensor | None = None  # each layout row's parameter (its index among the names)
+
+    def due(self, step: int) -> bool:
+        """Whether the check runs after ``step`` optimizer steps: the first, every ``every``, and the first
+        after a state was loaded (every rank loads at the same point of the program, so all check then)."""
+        return bool(self.every) and (step == 1 or step % self.every == 0 or self.loaded)
+
+    def fingerprints(self, state: "ScapeStateBase") -> tuple[list[str], Tensor]:
+        """``(buffer names, (buffers, parameters) int64)``: per buffer and parameter, the sum of the values'
+        bits (the parameters pass through the staging buffer in fp32, exactly)."""
+        layout = state.layout
+        names = list(layout.numel)
+        if self._row_param is None:
+            self._row_param = torch.tensor([i for i, n in enumerate(names) for _ in range(layout.nrows[n])],
+                                           device=layout.device)
+        staging = state.staging()  # its padding stays 0: only the parameters' coordinates are written
+        local = state.local_params()
+        torch._foreach_copy_(layout.views(staging, names), [local[n].detach().reshape(-1) for n in names])
+        buffers: dict[str, Tensor] = {"parameters": staging}
+        opt = state.optimizer
+        if opt is not None and not state.sharded:  # sharded: each rank keeps its own rows of these
+            buffers["m"] = opt.momentum_buffer
+            buffers.update({f"statistic {k!r}": b for k, b in opt.statistics.items()})
+            if state.window_buffer is not None:
+                buffers["windows"] = state.window_buffer
+        rows = [b.view(torch.int32).sum(1) for b in buffers.values()]
+        for step, mask in sorted(state.masks.items()):
+            buffers[f"mask of step {step}"] = mask.cols
+            rows.append(mask.cols.sum(1))
+        per_row = torch.stack(rows)
+        out = torch.zeros(per_row.shape[0], len(names), dtype=torch.long, device=layout.device)
+        out.index_add_(1, self._row_param, per_row)
+        return list(buffers), out
+
+    def check(self, state: "ScapeStateBase") -> None:
+        """Compare the ranks' fingerprints (collective over the state's group; reads the device once) and
+        raise :class:`ReplicaMismatch` on every rank if any rank's differs from rank 0's. Nothing with
+        ``replica_check_every=0`` or at world size 1."""
+        self.loaded = False
+        if not self.every or state.world_size == 1:
+            return
+        what, mine = self.fingerprints(state)
+        what.append("the optimizer step count")  # ranks that loaded different checkpoints
+        mine = torch.cat([mine, torch.full_like(mine[:1], state.step)])
+        every = mine.new_empty(state.world_size * mine.numel())
+        all_gather_into_tensor(every, mine.view(-1), group=state.process_group)
+        every = every.view(state.world_size, *mine.shape).cpu()
+        differ = (every != every[0]).any(0)  # (buffers, parameters)
+        if not bool(differ.any()):
+            return
+        buffer, param = (int(i) for i in differ.nonzero()[0])
+        ranks = [r for r in range(state.world_size) if bool((every[r] != every[0]).any())]
+        name = list(state.layout.numel)[param]
+        raise ReplicaMismatch(
+            f"SCAPE: the ranks' replicated state differs after optimizer step {state.step}: {what[buffer]} of "
+            f"parameter {name!r} (rank(s) {ranks} differ from rank 0; {int(differ.sum())} buffer-parameter pairs "
+            f"in all). Every rank must compute the same parameters, m, statistics and masks, or each selects "
+            f"and applies a different update. Likely causes: {CAUSES}.")
