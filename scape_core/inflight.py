@@ -15,12 +15,22 @@ torch 2.13: 11 of 20 two-rank runs of a 4-step script). So:
 - At exit (``atexit``, before finalization) every held collective is waited for, callbacks
   included (``Work.wait()`` returns after them), and the remaining references are kept for
   good, so gloo's thread never frees one while the interpreter shuts down.
+
+Collectives SCAPE does not start have the same exposure: transformers' ``Trainer`` ends ``train()``
+with a ``dist.all_gather`` of Python tensors (``store_flos``), and a worker ("pt_gloo_runloop")
+preempted under load frees that work, and the tensors' Python objects, after the script has
+ended; a core dump showed it abort in ``AsyncAllgatherWork``'s destructor, taking the GIL inside
+``Py_FinalizeEx`` (stock ``Trainer``: 3 of 40 launches under load). So the exit handler also waits,
+with the GIL free, until no other thread of the process is running (:func:`quiesce_threads`).
 """
 
 from __future__ import annotations
 
 import atexit
 import ctypes
+import os
+import threading
+import time
 import warnings
 
 import torch.distributed as dist
@@ -46,9 +56,44 @@ def finish_all() -> None:
             warnings.warn(f"SCAPE: a collective could not be finished: {e}", stacklevel=1)
 
 
+def other_threads() -> list[str] | None:
+    """The scheduler states (``R`` running or runnable, ``S`` sleeping, ...) of this process's threads but
+    the calling one (gloo's workers among them: their names vary); ``None`` where ``/proc`` cannot tell."""
+    me, states = str(threading.get_native_id()), []
+    try:
+        for tid in os.listdir("/proc/self/task"):
+            if tid == me:
+                continue
+            try:
+                with open(f"/proc/self/task/{tid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])
+            except OSError:  # the thread ended meanwhile
+                continue
+    except OSError:
+        return None
+    return states
+
+
+def quiesce_threads(timeout: float = 2.0, quiet_checks: int = 3) -> None:
+    """Sleep (the GIL free, so a thread waiting for it to free a Python object gets it) until no other
+    thread of the process has been running at ``quiet_checks`` checks 10 ms apart, at most ``timeout``
+    seconds: after this, no gloo worker is still freeing a finished collective when the interpreter
+    finalizes. Returns at once without other threads; where ``/proc`` cannot tell, sleeps the
+    ``quiet_checks`` intervals."""
+    states = other_threads()
+    if states is not None and not states:
+        return
+    deadline, quiet = time.monotonic() + timeout, 0
+    while quiet < quiet_checks and time.monotonic() < deadline:
+        time.sleep(0.01)
+        states = other_threads()
+        quiet = 0 if states and "R" in states else quiet + 1
+
+
 @atexit.register
 def _finish_at_exit() -> None:
     finish_all()
+    quiesce_threads()
     # gloo's thread may hold its own reference a moment longer; ours must outlive it
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(_PENDING))
     ctypes.pythonapi.Py_IncRef(ctypes.py_object(_FINISHED))
