@@ -169,9 +169,11 @@ def _launch_command(args: argparse.Namespace) -> int:
     os.environ.update(exported)
     if file is not None:
         os.environ[S.CONFIG_FILE_ENV] = str(resolved.file)
+    chosen = "\n".join(line for name, line in zip(resolved.sources, resolved.describe().splitlines())
+                        if name in resolved.chosen)
     print(f"accelerate-scape: SCAPE settings exported to every process: {', '.join(exported) or 'none'} (flag > "
-          "SCAPE_* environment > scape_config.yaml; settings at their default are not exported, so the script's "
-          f"own defaults apply, else ScapeConfig's):\n{resolved.describe()}", file=sys.stderr)
+          "SCAPE_* environment > scape_config.yaml)" + (f":\n{chosen}" if chosen else "") + "\nThe others are not "
+          "exported: the script's own values apply, else ScapeConfig's defaults.", file=sys.stderr)
     note = _cpu_processes(args)
     if note:
         print(f"accelerate-scape: {note}", file=sys.stderr)

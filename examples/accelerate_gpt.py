@@ -30,6 +30,7 @@ from accelerate_scape import ScapePlugin
 from common import (
     SCAPE_DEFAULTS,
     HelpFormatter,
+    ProgressLines,
     TokenBlocks,
     add_training_args,
     check_training_args,
@@ -73,7 +74,9 @@ def train(args: argparse.Namespace, accelerator: Accelerator) -> dict:
                       f"{accelerator.num_processes} processes; val loss {before:.3f}")
     batches = forever(train)
     seconds, warmup_stats, train_curve, val_curve = 0.0, None, [], [(0, before, 0.0)]
-    bar = tqdm(range(1, args.max_steps + 1), disable=not accelerator.is_main_process, desc="training")
+    progress = ProgressLines(main=accelerator.is_main_process)  # a log file gets lines, not a bar's returns
+    bar = tqdm(range(1, args.max_steps + 1), disable=not accelerator.is_main_process or progress.enabled,
+               desc="training")
     for step in bar:
         x, y = next(batches)
         start = time.perf_counter()
@@ -85,6 +88,7 @@ def train(args: argparse.Namespace, accelerator: Accelerator) -> dict:
         optimizer.zero_grad(set_to_none=True)
         seconds += time.perf_counter() - start
         train_curve.append((step, loss.item()))
+        progress.say(f"step {step} of {args.max_steps}, train loss {loss.item():.3f}")
         if step == args.warmup_steps:
             warmup_stats = scape.stats()
         if step % args.val_every == 0 or step == args.max_steps:

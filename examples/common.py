@@ -24,6 +24,8 @@ import json
 import math
 import os
 import socket
+import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
@@ -196,7 +198,7 @@ class HelpFormatter(argparse.RawDescriptionHelpFormatter):
         return text
 
 
-# The SCAPE settings every example defaults to (the core's are 0.9 / 50 / 150: a longer run's)
+# The SCAPE settings every example defaults to (the core's are 0.99 / 50 / 150: a longer run's)
 SCAPE_DEFAULTS = {"sparsity": 0.99, "warmup_steps": 30, "ramp_steps": 90, "wire": "auto"}
 
 
@@ -300,6 +302,28 @@ def next_token_loss(model: nn.Module, x: Tensor, y: Tensor) -> Tensor:
     """Mean cross-entropy of a Hugging Face causal LM's logits against the next tokens."""
     logits = model(input_ids=x).logits
     return nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+
+
+class ProgressLines:
+    """Where a run is, one line every ``every`` seconds, where a progress bar would draw nothing useful:
+    stdout is not a terminal (a file, a pipe: a bar's carriage returns make one endless line) and this is
+    the main process.
+
+    Example:
+        >>> progress = ProgressLines(main=True, every=0.0)   # doctest: +SKIP
+        >>> progress.say("step 3 of 300")                    # doctest: +SKIP
+          [   0 s] step 3 of 300
+    """
+
+    def __init__(self, main: bool = True, every: float = 20.0) -> None:
+        self.every, self.start = every, time.monotonic()
+        self.due = self.start + every
+        self.enabled = main and not sys.stdout.isatty()
+
+    def say(self, text: str) -> None:
+        if self.enabled and time.monotonic() >= self.due:
+            self.due = time.monotonic() + self.every
+            print(f"  [{time.monotonic() - self.start:4.0f} s] {text}", flush=True)
 
 
 def forever(loader: DataLoader) -> Iterator:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import sys
 import time
 import warnings
 
@@ -33,6 +32,7 @@ from scape_core import AdamS
 
 from common import (
     HelpFormatter,
+    ProgressLines,
     TokenBlocks,
     add_training_args,
     check_training_args,
@@ -107,15 +107,11 @@ class Progress(pl.Callback):
     pipe): Lightning's progress bar draws nothing there until the run ends."""
 
     def __init__(self, max_steps: int, every: float = 20.0) -> None:
-        self.max_steps, self.every = max_steps, every
-        self.start = time.monotonic()
-        self.due = self.start + every
-        self.enabled = not sys.stdout.isatty()
+        self.max_steps, self.lines = max_steps, ProgressLines(every=every)
 
     def say(self, trainer: pl.Trainer, text: str) -> None:
-        if self.enabled and trainer.is_global_zero and time.monotonic() >= self.due:
-            self.due = time.monotonic() + self.every
-            print(f"  [{time.monotonic() - self.start:4.0f} s] {text}", flush=True)
+        if trainer.is_global_zero:
+            self.lines.say(text)
 
     def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx) -> None:
         self.say(trainer, f"step {trainer.global_step} of {self.max_steps}, train loss {float(outputs['loss']):.3f}")
@@ -137,16 +133,24 @@ def on_gpu(args: argparse.Namespace) -> bool:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=HelpFormatter)
     p.add_argument("--devices", type=int, default=None,
-                   help="processes: default 2 on CPU, every GPU on a GPU machine")
+                   help="processes: default every GPU on a machine with two or more, else 2 on the CPU (SCAPE needs "
+                        "several processes to have something to exchange)")
     p.add_argument("--accelerator", default="auto", help="auto (GPUs when there are any), cpu, gpu...")
     p.add_argument("--num-nodes", type=int, default=1,
                    help="machines; above 1, start this script on each with torchrun (README, Multi-node)")
     add_training_args(p, out="runs/gpt_finetune")
     args = check_training_args(p, p.parse_args(argv))
+    if args.devices is None and on_gpu(args) and torch.cuda.device_count() == 1 and args.accelerator == "auto":
+        args.accelerator, args.devices = "cpu", 2
+        print("one GPU here: SCAPE exchanges between processes, so this run trains 2 processes on the CPU; "
+              "--accelerator gpu --devices 1 trains one process on the GPU, with SCAPE off", flush=True)
     if args.devices is None:
         args.devices = torch.cuda.device_count() if on_gpu(args) else 2
     elif args.devices < 1:
         p.error(f"--devices must be >= 1, got {args.devices}")
+    if args.devices * args.num_nodes == 1:
+        print("one process: SCAPE has nothing to exchange and is off (dense AdamS); --devices 2 or more to use it",
+              flush=True)
     if args.num_nodes < 1:
         p.error(f"--num-nodes must be >= 1, got {args.num_nodes}")
     return args

@@ -76,7 +76,8 @@ class ScapeConfig:
         kernels: ``"eager"`` (default) runs the passes over every coordinate (the residual, the
             score, the decay and update, dense AdamS) as torch operators; ``"compiled"`` runs them
             as ``torch.compile``'d fused loops (:mod:`scape_core.kernels`): fewer passes over memory
-            (``docs/benchmarks.md``), at a compile of seconds per pass in each process's first steps.
+            (``docs/benchmarks.md``), at a compile in each process's first steps (2-3 minutes on a 2-core
+            CPU with both ranks compiling, faster from inductor's disk cache).
         replica_check_every: optimizer steps between checks that every rank holds the same replicated
             state (parameters, ``m``, the rule's statistics, windows, scheduled masks): one small all-gather
             of 64-bit fingerprints and one read of the device, at the first step, every this many and before
@@ -292,19 +293,26 @@ class ScapeConfig:
             SCAPE: warmup_steps=30, ramp_steps=90 (the rest default); steps 0-29 dense (warm-up), \
 sparse from step 30 at density 0.25, at the target density 0.0753 (int4 wire, 1% of dense bytes) from step 60; \
 300 steps in this run
+            >>> print(ScapeConfig(sparsity=0.0, warmup_steps=30, ramp_steps=90).describe_run())
+            SCAPE: sparsity=0.0 (the rest default); every step dense (DDP + AdamS): nothing is saved (warmup_steps, \
+ramp_steps do not apply)
             >>> config = ScapeConfig(sparsity=0.9, warmup_steps=0, ramp_steps=0)
             >>> print(config.describe_run(sources={"warmup_steps": "env X"}))
             SCAPE: sparsity=0.9, warmup_steps=0 (env X), ramp_steps=0 (the rest default); sparse from step 0, at the \
 target density 0.1 (native wire, 10% of dense bytes) from step 0
         """
         sources = sources or {}
+        changed = self.changed()
+        unused = [n for n in changed if self.dense and n in SPARSE_ONLY]  # said apart: they do not apply
         shown = [f"{n}={getattr(self, n)!r}" + (f" ({sources[n]})" if sources.get(n, "argument") != "argument"
-                                                else "") for n in self.changed()]
+                                                else "") for n in changed if n not in unused]
         settings = (", ".join(shown) + " (the rest default)" if shown else
                     f"the default settings (sparsity={self.sparsity}, warmup_steps={self.warmup_steps}, "
                     f"ramp_steps={self.ramp_steps})")
         if self.dense:
             plan = "every step dense (DDP + AdamS): nothing is saved"
+            if unused:
+                plan += f" ({', '.join(unused)} {'does' if len(unused) == 1 else 'do'} not apply)"
         else:
             w, target = self.warmup_steps, self.target_step
             start = self.schedule.density_at(w)
@@ -386,6 +394,9 @@ target density 0.1 (native wire, 10% of dense bytes) from step 0
         return dataclasses.asdict(self)
 
 
+# the fields only sparse steps read: a dense run's start-of-run line says they do not apply
+SPARSE_ONLY = ("warmup_steps", "mask_delay", "mask_refresh", "error_feedback", "score", "update", "ramp_steps",
+               "chunk_size", "wire", "wire_block", "selection")
 # a layout whose masks send this many times the bytes the sparsity asks for (every row picks one at least, a
 # parameter's last row too) is out of reach: the start-of-run line says what is sent, and it warns
 OUT_OF_REACH = 1.5

@@ -231,10 +231,10 @@ def test_gpt_finetune_progress_prints_on_rank_0_when_due(capsys):
 
     trainer = argparse.Namespace(is_global_zero=True, global_step=7)
     progress = gpt_finetune.Progress(max_steps=300, every=3600)
-    progress.enabled = True  # as when stdout is a file
+    progress.lines.enabled = True  # as when stdout is a file (common.ProgressLines, accelerate_gpt's too)
     progress.on_train_batch_end(trainer, None, {"loss": torch.tensor(6.5)}, None, 0)
     assert capsys.readouterr().out == ""  # not due yet
-    progress.due = 0
+    progress.lines.due = 0
     progress.on_train_batch_end(argparse.Namespace(is_global_zero=False, global_step=7), None, {"loss": 1.0}, None, 0)
     assert capsys.readouterr().out == ""  # rank 0 only
     progress.on_train_batch_end(trainer, None, {"loss": torch.tensor(6.5)}, None, 0)
