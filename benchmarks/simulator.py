@@ -37,7 +37,7 @@ from typing import Callable
 import torch
 from torch import Tensor, nn
 
-from benchmarks import candidate_rules, candidate_wires  # noqa: F401  (register the candidate rules and wires)
+from benchmarks.experiments import candidate_rules, candidate_wires  # noqa: F401  (register the candidate rules and wires)
 from scape_core import wire as wires
 from scape_core.adams import adams_foreach
 from scape_core.config import ScapeConfig

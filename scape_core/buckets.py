@@ -218,7 +218,6 @@ class Exchange:
     bucket: BucketPlan
     buffer: Tensor  # the region's buffer (holds the mean on the mask, zeros elsewhere, once the exchange finished)
     future: torch.futures.Future
-    finite: Tensor | None = None  # compiled: this rank's gradients in the region are finite (0-dim bool), once staged
 
 
 @dataclass

@@ -106,15 +106,13 @@ def stage(state: "ScapeStateBase", record: StepRecord) -> None:
 
 def stage_compiled(state: "ScapeStateBase", record: StepRecord) -> None:
     """:func:`stage` compiled: the compact buffer read from every region's buffer at once
-    (:func:`scape_core.kernels.stage_pass`, no staging copy); each region's own verdict is kept for
-    the finish."""
+    (:func:`scape_core.kernels.stage_pass`, no staging copy), NaN in a region whose gradients are not
+    finite (so every rank drops the exchange)."""
     shape = state.layout.mask_shape(record.density)
     record.staging = state.buckets.staging(tuple(x.bucket for x in record.exchanges), shape, record.base)
     record.send, finite = state.kernels.stage([x.buffer for x in record.exchanges], state.residual_buffer,
                                               record.entries, state.buckets.row_shift, record.staging.spans,
                                               state.layout.chunk)
-    for x, verdict in zip(record.exchanges, finite.unbind()):
-        x.finite = verdict
     record.local.append(finite.all())
 
 

@@ -1,10 +1,10 @@
-"""The negative results of ``benchmarks/threshold_topk.py`` stay exact, so their timings mean something."""
+"""The negative results of ``benchmarks/experiments/threshold_topk.py`` stay exact, so their timings mean something."""
 
 from __future__ import annotations
 
 import torch
 
-from benchmarks.threshold_topk import bit_search_mask, threshold_topk
+from benchmarks.experiments.threshold_topk import bit_search_mask, threshold_topk
 
 
 def rows_with_ties() -> torch.Tensor:

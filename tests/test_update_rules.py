@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from benchmarks import candidate_rules  # noqa: F401  (registers the candidates)
+from benchmarks.experiments import candidate_rules  # noqa: F401  (registers the candidates)
 from scape_core import ScapeConfig, register_update_rule
 from scape_core.update_rules import UPDATE_RULES
 from tests import reference

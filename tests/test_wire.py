@@ -4,7 +4,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from benchmarks import candidate_wires  # noqa: F401  (registers the int2 prototype)
+from benchmarks.experiments import candidate_wires  # noqa: F401  (registers the int2 prototype)
 from scape_core.wire import WirePlan, decode, encode, owner_mean, pad
 
 QMAX = {"int8": 127, "int4": 7, "int2": 1}

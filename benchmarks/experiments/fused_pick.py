@@ -9,8 +9,8 @@ writes the mask's entries; no score is stored. This checks that both choose the 
 entries, and reports time per call and the bytes each reads and writes at its boundary (what a
 memory-bound GPU pays).
 
-    python benchmarks/fused_pick.py                      # 25M coordinates, 99% int4 (k = 309 of 4,096)
-    python benchmarks/fused_pick.py --rows 2048 --k 41   # a smaller one
+    python benchmarks/experiments/fused_pick.py                      # 25M coordinates, 99% int4 (k = 309 of 4,096)
+    python benchmarks/experiments/fused_pick.py --rows 2048 --k 41   # a smaller one
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script from anywhere
 
 from benchmarks.bench_common import median_ms  # noqa: E402
 from scape_core.kernels import Kernels  # noqa: E402

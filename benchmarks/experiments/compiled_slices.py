@@ -4,7 +4,7 @@ An in-place add into each parameter's slice of one flat buffer, inside a ``torch
 graph, is functionalized into copies of the whole buffer; the same adds on the slices passed in
 as separate tensors, or as one eager ``torch._foreach_add_``, touch each value once.
 
-    python benchmarks/compiled_slices.py     # 100 slices of 100k values: compile and best-of-3 call times
+    python benchmarks/experiments/compiled_slices.py     # 100 slices of 100k values: compile and best-of-3 call times
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ measures both sides on one thread: an ``index_select`` and an ``index_copy_`` ov
 (ascending or topk's order) against a dense in-place pass over the same buffer, and what sorting
 the ``(rows, k)`` columns costs.
 
-    python benchmarks/entry_order.py                  # 25M values (6,144 rows of 4,096), k = 41 and 308
+    python benchmarks/experiments/entry_order.py                  # 25M values (6,144 rows of 4,096), k = 41 and 308
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script from anywhere
 from benchmarks.bench_common import median_ms  # noqa: E402
 
 

@@ -17,9 +17,9 @@ Inductor emits each count as its own loop over all the rows (it does not fuse th
 47 scans replace one top-k; on this CPU that is several times slower even in blocks of rows that
 stay in cache.
 
-    python benchmarks/threshold_topk.py                 # 25M scores, k = 41 and 308 (~1 minute)
-    python benchmarks/threshold_topk.py --rows 500      # quicker
-    python benchmarks/threshold_topk.py --route bits    # the bit search (~2 minutes, compiles twice)
+    python benchmarks/experiments/threshold_topk.py                 # 25M scores, k = 41 and 308 (~1 minute)
+    python benchmarks/experiments/threshold_topk.py --rows 500      # quicker
+    python benchmarks/experiments/threshold_topk.py --route bits    # the bit search (~2 minutes, compiles twice)
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script from anywhere
 from benchmarks.bench_common import median_ms  # noqa: E402
 
 
