@@ -18,6 +18,7 @@ a PNG of validation loss against steps and bytes sent (with ``--baseline``, both
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import time
 import warnings
@@ -174,6 +175,7 @@ def train(args: argparse.Namespace) -> dict:
         val_check_interval=args.val_every, check_val_every_n_epoch=None,
         limit_val_batches=args.val_batches, num_sanity_val_steps=0, callbacks=[recorder, Progress(args.max_steps)],
         logger=pl.loggers.CSVLogger(args.out, name="logs"), log_every_n_steps=10, enable_checkpointing=False,
+        enable_model_summary=False,  # the summary at the end says the model's size
         precision="bf16-mixed" if on_gpu(args) and torch.cuda.is_bf16_supported() else "32-true",
     )
     before = trainer.validate(module, val, verbose=False)[0]["val_loss"]
@@ -193,6 +195,8 @@ def train(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
+    for name in ("lightning.pytorch.utilities.rank_zero", "pytorch_lightning.utilities.rank_zero"):
+        logging.getLogger(name).addFilter(lambda record: not record.getMessage().startswith("💡 Tip"))  # adverts
     for noise in (".*does not have many workers.*", ".*LeafSpec.*", ".*sync_dist=True.*",
                   ".*Using `DistributedSampler` with the dataloaders.*"):
         warnings.filterwarnings("ignore", noise)
