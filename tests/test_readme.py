@@ -12,6 +12,7 @@ blocks) must exist.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -157,3 +158,50 @@ def test_pages_name_no_missing_file(page):
     missing = sorted(name for name in named_files(page)
                      if not (page.parent / name).exists() and not (ROOT / name.removeprefix("../")).exists())
     assert not missing, f"{page.relative_to(ROOT)} names files that do not exist: {missing}"
+
+
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def test_readme_says_the_step_the_defaults_reach_the_target_density():
+    from scape_core import ScapeConfig
+
+    claim = re.search(r"density: step (\d+) with the defaults \((\d+) with `wire=\"native\"`\)", README)
+    assert claim, "README's options section no longer says when the target density is reached"
+    assert int(claim.group(1)) == ScapeConfig().target_step
+    assert int(claim.group(2)) == ScapeConfig(wire="native").target_step
+
+
+def test_readme_quotes_the_examples_start_of_run_line_as_the_core_writes_it():
+    from scape_core import ScapeConfig
+
+    quoted = next(line for line in README.splitlines() if line.startswith("SCAPE: warmup_steps=30, ramp_steps=90"))
+    assert quoted == ScapeConfig(warmup_steps=30, ramp_steps=90).describe_run(300)
+
+
+def test_readme_launcher_exports_and_prints_only_what_was_set(tmp_path):
+    """README: ``accelerate-scape config --sparsity 0.99 --warmup_steps 100``, then ``accelerate-scape
+    launch ... train.py  # exports (and prints) only what you set``; one process here, a script that
+    writes the ``SCAPE_*`` variables it got."""
+    assert "accelerate-scape launch --multi_gpu --num_processes 8 train.py # exports (and prints) only what you set" \
+        in README
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("SCAPE_", "ACCELERATE_"))}
+    env.update(OMP_NUM_THREADS="1", HF_HOME=str(tmp_path / "hf"), PYTHONUNBUFFERED="1",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    cli = [sys.executable, "-m", "accelerate_scape.cli"]
+    subprocess.run([*cli, "config", "--sparsity", "0.99", "--warmup_steps", "100"], env=env, check=True,
+                   capture_output=True, timeout=120)
+    script = tmp_path / "train.py"
+    script.write_text("import json, os, sys\n"
+                      "json.dump({k: v for k, v in os.environ.items() if k.startswith('SCAPE_')}, "
+                      "open(sys.argv[1], 'w'))\n")
+    got = tmp_path / "env.json"
+    proc = subprocess.run([*cli, "launch", "--num_processes", "1", "--ramp_steps", "30", str(script), str(got)],
+                          env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert json.loads(got.read_text()) == {"SCAPE_SPARSITY": "0.99", "SCAPE_WARMUP_STEPS": "100",
+                                           "SCAPE_RAMP_STEPS": "30"}
+    printed = {line.split("=")[0].strip(): line.strip() for line in proc.stderr.splitlines() if line.startswith("  ")}
+    assert sorted(printed) == ["ramp_steps", "sparsity", "warmup_steps"], proc.stderr
+    assert printed["ramp_steps"].endswith("(flag)") and "scape_config.yaml" in printed["sparsity"]
+    assert "The others are not exported" in proc.stderr
