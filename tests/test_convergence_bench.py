@@ -27,3 +27,15 @@ def test_tiny_run_and_report(tmp_path, capsys):
     main(["--report", "--out", str(tmp_path)])
     table = capsys.readouterr().out
     assert "| `adams` |" in table and "+0.0%" in table and methods[1] in table
+
+
+def test_another_corpus_is_recorded_with_its_provenance(tmp_path):
+    main(["--methods", "adams", "--seeds", "0", "--steps", "2", "--world-size", "2", "--batch", "2",
+          "--context", "8", "--width", "8", "--layers", "1", "--heads", "2", "--eval-every", "2",
+          "--val-batches", "1", "--corpus", "python-source", "--out", str(tmp_path)])
+    (path,) = tmp_path.glob("*.json")
+    run = json.loads(path.read_text())
+    assert path.name.endswith("__python-source.json") and run["corpus"] == "python-source"
+    info = run["corpus_info"]
+    assert info["source"].startswith("stdlib source of argparse") and len(info["sha256"]) == 64
+    assert run["completed"] and info["vocab"] > 65  # code has more characters than tiny Shakespeare
