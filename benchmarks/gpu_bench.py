@@ -4,7 +4,7 @@ World size 1 (NCCL on a GPU, gloo on the CPU): the all-reduce moves nothing, so 
 compare what each method computes. Methods, on the same model, weights and batches:
 ``DDP + AdamW`` (torch's fused AdamW where the device has it), ``DDP + AdamS``, ``SCAPE 90%``,
 ``SCAPE 99%`` (core defaults after a short warm-up, no ramp: every timed step is sparse), the
-same with ``selection="topk"`` and with ``kernels="compiled"`` (its compile in the warm-up steps),
+same with ``selection="groups"`` and with ``kernels="compiled"`` (its compile in the warm-up steps),
 and ``SCAPE 99% lazy``. Per method: the median step over ``--steps`` timed steps after ``--warm``,
 the peak memory (GPU: ``max_memory_allocated``; CPU: the bytes of optimizer and SCAPE state),
 the bytes one rank hands to collectives per step, and from ``torch.profiler`` over two steps
@@ -61,8 +61,8 @@ SHAPES = {  # vocab, width, layers, heads, context, batch
     "gpt2-350m": (50_304, 1024, 24, 16, 1024, 8),  # GPT-2 medium: 355M parameters, 292 tensors
     "tiny": (512, 128, 4, 4, 64, 4),
 }
-# " topk": selection="topk" (the default picks one per group); " compiled": kernels="compiled" (its first steps compile)
-METHODS = ("DDP + AdamW", "DDP + AdamS", "SCAPE 90%", "SCAPE 99%", "SCAPE 99% topk", "SCAPE 99% compiled",
+# " groups": selection="groups" (the default is the row's top-k); " compiled": kernels="compiled" (its first steps compile)
+METHODS = ("DDP + AdamW", "DDP + AdamS", "SCAPE 90%", "SCAPE 99%", "SCAPE 99% groups", "SCAPE 99% compiled",
            "SCAPE 99% lazy")
 SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 LAUNCH_EVENTS = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchKernelExC", "cuLaunchKernelEx")
@@ -80,7 +80,7 @@ def build(method: str, base: nn.Module, device: torch.device, warmup: int) -> tu
     sparsity = 0.9 if "90" in method else 0.99
     state = ScapeState(ddp, sparsity=sparsity, warmup_steps=warmup, ramp_steps=0,
                        update="lazy" if "lazy" in method else "linear",
-                       selection="topk" if method.endswith(" topk") else "groups",
+                       selection="groups" if method.endswith(" groups") else "topk",
                        kernels="compiled" if method.endswith(" compiled") else "eager")
     ddp.register_comm_hook(state, scape_hook)
     return ddp, ScapeAdamS(ddp.parameters(), state, **hp)

@@ -31,7 +31,7 @@ if [ -n "${BASELINE:-}" ]; then
   bench baseline_small "$BASELINE" --shape "$SHAPE" --methods "SCAPE 99%"  # against this run's DDP + AdamW
   bench baseline_big "$BASELINE" --shape "$BIG" --methods "SCAPE 99%"
 fi
-bench small . --shape "$SHAPE" --methods "DDP + AdamW" "SCAPE 99%" "SCAPE 99% topk"
+bench small . --shape "$SHAPE" --methods "DDP + AdamW" "SCAPE 99%" "SCAPE 99% groups"
 bench big . --shape "$BIG" --methods "DDP + AdamW" "SCAPE 99%"
 # the CUDA tests: two launches at once (two ranks each, sharing the GPU over gloo)
 timeout 420 python3 -m pytest -q -p no:cacheprovider tests/test_cuda.py -k replicas >"$OUT/cuda_replicas.txt" 2>&1 &

@@ -46,7 +46,7 @@ CASES = {"148x13": (12, 13), "292x13": (24, 13), "148x1": (12, 1), "148x19": (12
 METHODS = {  # name: ScapeConfig fields (None: not SCAPE)
     "DDP + AdamW fused": None,
     "SCAPE 99% default": {},
-    "SCAPE 99% topk": {"selection": "topk"},
+    "SCAPE 99% groups": {"selection": "groups"},
     "SCAPE 99% native": {"wire": "native"},
     "SCAPE 90%": {"sparsity": 0.9},
     "SCAPE 99% sharded": {"shard_optimizer": True},

@@ -61,13 +61,13 @@ CASES = {  # every sparse case runs at its named density (ramp_steps=0) unless i
 COMPILED = ["linear90", "skips", "skip_one_bucket", "dense", "int4", "bf16", "linear99_ramp_sharded"]
 CASES.update({f"{case}_compiled": {**CASES[case], "config": {**CASES[case]["config"], "kernels": "compiled"}}
               for case in COMPILED})
-# selection="topk" (the default is "groups"): each row's exact top-k (ramp, partitioned lazy scores, int4)
-TOPK = ["linear99_ramp", "lazy80_delay0_refresh2_sharded", "int4", "linear90_compiled"]
-CASES.update({f"{case}_topk": {**CASES[case], "config": {**CASES[case]["config"], "selection": "topk"}}
-              for case in TOPK})
+# selection="groups" (the default is "topk"): one pick per group of a row (ramp, partitioned lazy scores, int4)
+GROUPS = ["linear99_ramp", "lazy80_delay0_refresh2_sharded", "int4", "linear90_compiled"]
+CASES.update({f"{case}_groups": {**CASES[case], "config": {**CASES[case]["config"], "selection": "groups"}}
+              for case in GROUPS})
 SHARDED = ["linear99_ramp_sharded", "lazy80_delay0_refresh2_sharded"]
 # -m slow: each compiles its passes afresh (15-20 s in a fresh clone)
-SLOW = {"skips_compiled", "bf16_compiled", "linear90_compiled_topk"}
+SLOW = {"skips_compiled", "bf16_compiled", "linear90_compiled_groups"}
 
 
 def lr_at(step: int) -> float:
@@ -173,7 +173,8 @@ def _maybe_slow(case: str) -> Any:
                                   for c in COMPILED])
 def test_compiled_cases_ran_the_compiled_passes(runs, default_runs, case):
     eager = case.removesuffix("_compiled")
-    want = {"AdamS", "pick", "stage", "residual", "finish"}
+    want = {"AdamS", "pick" if CASES[case]["config"].get("selection") == "groups" else "score", "stage", "residual",
+            "finish"}
     want |= {"masked_update"} if "sharded" in case else {"sparse_step", "update"}
     if eager == "dense":
         want = {"AdamS"}
@@ -195,7 +196,7 @@ def close(got: torch.Tensor, want: torch.Tensor, what: str, rtol: float = 1e-5, 
 
 @pytest.mark.parametrize("case", ["linear90", "linear99_ramp", "lazy80_delay0_refresh2", "dense", *SHARDED,
                                   "linear90_compiled", "dense_compiled", "linear99_ramp_sharded_compiled",
-                                  *[_maybe_slow(f"{c}_topk") for c in TOPK if c != "int4"]])
+                                  *[_maybe_slow(f"{c}_groups") for c in GROUPS if c != "int4"]])
 def test_every_step_follows_the_contract(runs, case):
     cfg = ScapeConfig(**CASES[case]["config"])
     checked = {"dense": 0, "sparse": 0}
@@ -223,7 +224,7 @@ def test_every_step_follows_the_contract(runs, case):
 
 @pytest.mark.parametrize("case", ["linear90", "linear99_ramp", "lazy80_delay0_refresh2", *SHARDED,
                                   "linear90_compiled", "linear99_ramp_sharded_compiled",
-                                  *[_maybe_slow(f"{c}_topk") for c in TOPK]])
+                                  *[_maybe_slow(f"{c}_groups") for c in GROUPS]])
 def test_masks_are_the_picks_of_the_contract_score(runs, case):
     """``selection="groups"``: the best of each group of a row's score; ``"topk"``: the row's ``k`` best."""
     cfg = ScapeConfig(**CASES[case]["config"])
@@ -363,7 +364,7 @@ def test_bf16_parameters_follow_the_contract_to_bf16_rounding(runs, case):
                 close(rec["after"]["residual"][name], exp["residual"][name], f"{where} residual", rtol=1e-4, atol=1e-6)
 
 
-@pytest.mark.parametrize("case", ["int8", "int4", "bfloat16_wire", "int4_compiled", "int4_topk"])
+@pytest.mark.parametrize("case", ["int8", "int4", "bfloat16_wire", "int4_compiled", "int4_groups"])
 def test_encoded_wires_follow_the_contract(runs, case):
     """Each rank sends its values within half a step of its block's grid, the owner's mean is rounded
     once more, every rank keeps its own rounding (the owner also W times the second), conservation
