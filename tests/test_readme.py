@@ -181,7 +181,7 @@ def test_readme_quotes_the_examples_start_of_run_line_as_the_core_writes_it():
 
 def test_readme_launcher_exports_and_prints_only_what_was_set(tmp_path):
     """README: ``accelerate-scape config --sparsity 0.99 --warmup_steps 100``, then ``accelerate-scape
-    launch ... train.py  # exports (and prints) only what you set``; one process here, a script that
+    launch ... train.py  # exports (and prints) only what you set``. Here one process, and a script that
     writes the ``SCAPE_*`` variables it got."""
     assert "accelerate-scape launch --multi_gpu --num_processes 8 train.py # exports (and prints) only what you set" \
         in README
