@@ -61,7 +61,7 @@ SHAPES = {  # vocab, width, layers, heads, context, batch
     "gpt2-350m": (50_304, 1024, 24, 16, 1024, 8),  # GPT-2 medium: 355M parameters, 292 tensors
     "tiny": (512, 128, 4, 4, 64, 4),
 }
-# " groups": selection="groups" (the default is the row's top-k); " compiled": kernels="compiled" (its first steps compile)
+# " groups": selection="groups" (the default: the row's top-k); " compiled": kernels="compiled" (first steps compile)
 METHODS = ("DDP + AdamW", "DDP + AdamS", "SCAPE 90%", "SCAPE 99%", "SCAPE 99% groups", "SCAPE 99% compiled",
            "SCAPE 99% lazy")
 SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")

@@ -89,8 +89,8 @@ class ScapeConfig:
             (ties: the lowest column): a reduction instead of a top-k, with ascending columns, several
             times cheaper on a CPU; through the real hook it trained 1.4% worse at 99% (three corpora x
             three seeds; worse on every pair off the corpus it was chosen on, ``docs/benchmarks.md``),
-            level at 90%, worse at 99.9%. Both are computed identically on every rank from replicated values, with a fixed
-            number of picks per row (``docs/algorithm.md``).
+            level at 90%, worse at 99.9%. Both are computed identically on every rank from replicated
+            values, with a fixed number of picks per row (``docs/algorithm.md``).
 
     Example:
         >>> ScapeConfig(sparsity=0.9, warmup_steps=20).density
