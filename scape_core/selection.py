@@ -70,7 +70,8 @@ class MaskSelector:
 
     Example:
         >>> layout = FlatLayout({"w": torch.zeros(4, 8)}, chunk=8)
-        >>> selector = MaskSelector(layout, ScapeConfig(sparsity=0.75, warmup_steps=2, ramp_steps=0))
+        >>> config = ScapeConfig(sparsity=0.75, warmup_steps=2, ramp_steps=0, selection="groups")
+        >>> selector = MaskSelector(layout, config)
         >>> m = torch.arange(32.0).view(4, 8)
         >>> selector.after_step(0, m, None, None, beta1=0.9)    # step 0 ended: selects step 2's mask
         >>> selector.mask_for(2).cols[0].tolist()     # the largest |m| of each group of 4 columns
