@@ -72,16 +72,18 @@ def _rows(buffer: Tensor, rows: tuple[int, int] | None) -> Tensor:
 
 def run(state: "ScapeStateBase", record: StepRecord) -> None:
     """Stage, exchange and finish ``record`` (every region joined), then complete the regions' futures
-    (with the failure, if anything here raised)."""
+    (with the failure, if anything here raised). An interrupt (``KeyboardInterrupt``, ``SystemExit``)
+    propagates as itself; the futures, which take only an ``Exception``, fail with one naming it."""
     try:
         path = state.exchange_path
         path.stage(state, record)
         encoded = state.config.resolved_wire != "native"
         reduced, kept = (exchange_encoded if encoded else exchange_native)(state, record)
         path.finish(state, record, reduced, kept)
-    except BaseException as e:
+    except BaseException as e:  # the futures fail, then it propagates as itself
+        failed = e if isinstance(e, Exception) else RuntimeError(f"SCAPE's exchange was interrupted ({e!r})")
         for x in record.exchanges:
-            x.future.set_exception(e)
+            x.future.set_exception(failed)
         raise
     for x in record.exchanges:
         x.future.set_result(x.buffer)

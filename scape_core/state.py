@@ -5,13 +5,14 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+import weakref
 from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from scape_core import checkpoint, exchange, inflight
+from scape_core import checkpoint, exchange, inflight, join
 from scape_core.buckets import Buckets, StepRecord
 from scape_core.config import OUT_OF_REACH, ScapeConfig, check_max_steps, unread_environment
 from scape_core.diagnose import DDPWatch
@@ -452,6 +453,8 @@ class ScapeState(ScapeStateBase):
         self.world_size = dist.get_world_size(process_group)
         self.rank = dist.get_rank(process_group)
         self.watch = DDPWatch(model, self)  # says what happened when gradients arrive unsynchronized
+        self._ddp = weakref.ref(ddp)
+        join.extend_join_hook(ddp, self)  # ddp.join(): a rank out of data takes the others' SCAPE step
         params = parameter_names(model)
         if not params:
             raise ValueError("the model has no trainable parameters")
@@ -476,6 +479,12 @@ class ScapeState(ScapeStateBase):
 
     def unsynchronized(self, missing: list[str]) -> str:
         return self.watch.explain(missing)
+
+    def begin_step(self, names_with_grad: list[str]) -> tuple[Mask | None, Tensor]:
+        ddp = self._ddp()
+        if ddp is not None and ddp.find_unused_parameters and join.in_join(ddp):  # every rank, at its first step
+            raise RuntimeError(join.UNUSED_IN_JOIN)
+        return super().begin_step(names_with_grad)
 
     def stepped(self) -> None:
         self.watch.stepped(self.record.applied_names)  # after the optimizer wrote into the buckets
