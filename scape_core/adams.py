@@ -108,9 +108,11 @@ class AdamS(torch.optim.Optimizer):
         super().__init__(params, defaults)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """As torch's, with the group's settings checked first: a refused group is not added."""
+        given = {k: param_group.get(k, self.defaults[k]) for k in ("lr", "betas", "eps", "weight_decay")}
+        check_optimizer_args(given["lr"], given["betas"], given["eps"], given["weight_decay"])
         super().add_param_group(param_group)
         g = self.param_groups[-1]
-        check_optimizer_args(g["lr"], g["betas"], g["eps"], g["weight_decay"])
         g.update(_as_floats(g["lr"], g["betas"], g["eps"], g["weight_decay"]))
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:

@@ -114,14 +114,34 @@ class ScapeAdamS(AdamS):
                 "(added after DDP was built, or not part of the DDP model?)")
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        """As torch's, but every trainable parameter must be one the state's model synchronizes."""
+        """As torch's, but every trainable parameter must be one the state's model synchronizes; a
+        refused group leaves the optimizer as it was."""
+        params = param_group["params"]
+        if not isinstance(params, set):  # torch refuses a set (no order)
+            param_group["params"] = params = [params] if isinstance(params, Tensor) else list(params)  # an iterator
+        for p in params:
+            if id(p) not in self.scape.names and p.requires_grad:
+                raise ValueError(self._unknown(p))
         super().add_param_group(param_group)
         for p in self.param_groups[-1]["params"]:
             if id(p) in self.scape.names:
                 self._names[p] = self.scape.names[id(p)]
                 self._install_views(p)
-            elif p.requires_grad:
-                raise ValueError(self._unknown(p))
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """As torch's. After a synchronized backward whose ``step()`` was not called, it also skips that
+        step, as it would in plain DDP (call it on every rank, e.g. on a gradient-norm spike: a norm of the
+        synchronized gradients is the same on every rank): the schedule does not advance, and a sparse
+        step's synchronized values go back into each rank's residual (``ScapeState.drop_step``).
+
+        Example:
+            >>> loss.backward()                                                         # doctest: +SKIP
+            >>> if torch.nn.utils.clip_grad_norm_(ddp.parameters(), 1.0) > 100:       # doctest: +SKIP
+            ...     opt.zero_grad()                                    # every rank: the step is skipped
+        """
+        if self.scape.record.synced:
+            self.scape.drop_step()
+        super().zero_grad(set_to_none)
 
     def _install_views(self, p: Tensor) -> None:
         shard, name = self.scape.shard, self._names[p]

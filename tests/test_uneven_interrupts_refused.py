@@ -84,10 +84,7 @@ def test_join_with_find_unused_parameters_is_refused_on_every_rank(uneven):
 def _interrupted(rank: int) -> dict:
     """A KeyboardInterrupt raised inside a sparse step's exchange (on every rank, before its collective)."""
     ddp, state, opt = _setup(make_model(), warmup=1)
-    for t in range(2):
-        loss_fn(ddp, *batch(t, rank)).backward()
-        opt.step()
-        opt.zero_grad()
+    _train(ddp, opt, rank, range(2))
     path = state.exchange_path
 
     def stage(*args):
@@ -111,8 +108,134 @@ def test_ctrl_c_inside_the_exchange_is_a_keyboard_interrupt(launch):
         assert r["interrupted"]["futures_done"] and all(r["interrupted"]["futures_done"])  # nothing left waiting
 
 
+# ----- a refused add_param_group --------------------------------------------------------------
+def _refused_group(rank: int) -> dict:
+    ddp, state, opt = _setup(make_model())
+    _train(ddp, opt, rank, range(1))
+    error = failure(lambda: opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]}))
+    groups = len(opt.param_groups)
+    return dict(error=error, groups=groups, next_step=failure(lambda: _train(ddp, opt, rank, range(1, 3))))
+
+
+def test_a_refused_param_group_leaves_the_optimizer_as_it_was(launch):
+    for r in launch:
+        assert r["refused_group"]["error"].startswith("ValueError: a parameter of shape (3,) is not synchronized")
+        assert r["refused_group"]["groups"] == 1 and r["refused_group"]["next_step"] == "no error", r["refused_group"]
+    from scape_core import AdamS
+
+    model = make_model()
+    opt = AdamS(model[0].parameters(), lr=1e-3)
+    with pytest.raises(ValueError, match="lr must be a finite number"):
+        opt.add_param_group({"params": model[2].parameters(), "lr": float("nan")})
+    assert len(opt.param_groups) == 1
+
+
+# ----- a step skipped after backward (opt.zero_grad() instead of opt.step()) -------------------------
+def _train(ddp, opt, rank: int, steps: range, skip: tuple[int, ...] = ()) -> None:
+    for t in steps:
+        loss_fn(ddp, *batch(t, rank)).backward()
+        if t not in skip:
+            opt.step()
+        opt.zero_grad()
+
+
+def _skipped(rank: int, world: int) -> dict:
+    """Backwards 1 (dense) and 5 (sparse) are not stepped; applied + mean residual still equals the sum of
+    the mean gradients of every backward but the dense one (dropped, as in plain DDP)."""
+    from tests.test_core_ddp import conservation_error
+
+    model = make_model()
+    ddp, state, opt = _setup(model, warmup=3)
+    params = list(state.params.values())
+    want = [torch.zeros_like(p) for p in params]
+    applied = [torch.zeros_like(p) for p in params]
+    skip = (1, 5)
+    for t in range(9):
+        x, y = batch(t, rank)
+        local = torch.autograd.grad(loss_fn(model, x, y), params)
+        loss_fn(ddp, x, y).backward()
+        if t != 1:  # a skipped dense step's gradient is dropped
+            for w, g in zip(want, local):
+                g = g.clone()
+                torch.distributed.all_reduce(g)
+                w.add_(g / world)
+        if t in skip:
+            opt.zero_grad()
+            continue
+        for a, p in zip(applied, params):
+            a.add_(p.grad)
+        opt.step()
+        opt.zero_grad()
+    return dict(step=state.step, error=conservation_error(state, applied, want), replicas=replicated(state, opt))
+
+
+def test_a_step_skipped_after_backward_loses_nothing_and_replicas_agree(launch):
+    ranks = [r["skipped"] for r in launch]
+    assert [r["step"] for r in ranks] == [7, 7]  # the schedule did not advance at the skipped steps
+    assert max(r["error"] for r in ranks) < 1e-5, ranks
+    assert not same_everywhere([r["replicas"] for r in ranks])
+
+
+def _unstepped(rank: int) -> str:
+    """A synchronized backward neither stepped nor zeroed: the next backward says what to do."""
+    ddp, state, opt = _setup(make_model(), warmup=1)
+    loss_fn(ddp, *batch(0, rank)).backward()
+    for p in ddp.parameters():
+        p.grad = None
+    return failure(lambda: loss_fn(ddp, *batch(1, rank)).backward())
+
+
+def test_two_backwards_without_a_step_name_the_way_to_skip_one(launch):
+    for r in launch:
+        assert "call opt.zero_grad() instead of opt.step(), on every rank" in r["unstepped"], r["unstepped"]
+        assert "ddp.no_sync()" in r["unstepped"]
+
+
+# ----- a GAN: G's loss flows back through D ---------------------------------------------------------
+def _gan(rank: int, no_sync: bool) -> dict:
+    torch.manual_seed(1)
+    g = DDP(torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh()))
+    d = DDP(make_model())
+    states, opts = [], []
+    for net in (g, d):
+        state = ScapeState(net, sparsity=0.9, warmup_steps=2, ramp_steps=0)
+        net.register_comm_hook(state, scape_hook)
+        states.append(state)
+        opts.append(ScapeAdamS(net.parameters(), state, lr=1e-2))
+    opt_g, opt_d = opts
+
+    def iteration(t: int) -> None:
+        z = torch.randn(8, 8, generator=torch.Generator().manual_seed(t * 10 + rank))
+        real, y = batch(t, rank)
+        opt_d.zero_grad()
+        (loss_fn(d, real, y) - loss_fn(d, g(z).detach(), y)).backward()
+        opt_d.step()
+        opt_g.zero_grad()
+        if no_sync:
+            with d.no_sync():
+                loss_fn(d, g(z), y).backward()
+        else:
+            loss_fn(d, g(z), y).backward()
+        opt_g.step()
+
+    error = failure(lambda: [iteration(t) for t in range(5)])
+    return dict(error=error, g=replicated(states[0], opt_g), d=replicated(states[1], opt_d))
+
+
+def test_a_gan_without_no_sync_names_d_no_sync_and_with_it_trains(launch):
+    for r in launch:
+        error = r["gan"]["error"]
+        assert "a backward went through this model from another model's output (e.g. a GAN" in error, error
+        assert "with d.no_sync(): g_loss = loss_fn(d(g(z)))" in error
+        assert r["gan_no_sync"]["error"] == "no error", r["gan_no_sync"]["error"]
+    for net in ("g", "d"):
+        assert not same_everywhere([r["gan_no_sync"][net] for r in launch])
+
+
 def _launch(rank: int, world: int) -> dict:
-    return dict(uneven=_uneven(rank, world), interrupted=_interrupted(rank))
+    return dict(uneven=_uneven(rank, world), interrupted=_interrupted(rank), refused_group=_refused_group(rank),
+                skipped=_skipped(rank, world), unstepped=_unstepped(rank), gan=_gan(rank, no_sync=False),
+                gan_no_sync=_gan(rank, no_sync=True))
 
 
 @pytest.fixture(scope="module")
