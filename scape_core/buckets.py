@@ -21,7 +21,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -243,9 +243,11 @@ class StepRecord:
     returns_skipped: bool = True  # its finish returns a skipped step's means (one exchange per step)
     # the step's hook calls, values and bytes (ScapeStateBase.count): the counters take them when it completes
     counts: Counter = field(default_factory=Counter)
-    already: str = ("scape_hook synchronized the same gradients twice without ScapeAdamS.step() in between (e.g. "
-                    "{name!r}): every sync flushes residuals that only the SCAPE optimizer applies. Use "
-                    "ScapeAdamS, and accumulate gradients under ddp.no_sync().")
+    # what a second sync before the optimizer step says: a template of {name}, or a function of the name
+    already: str | Callable[[str], str] = (
+        "scape_hook synchronized the same gradients twice without ScapeAdamS.step() in between (e.g. {name!r}): "
+        "every sync flushes residuals that only the SCAPE optimizer applies. Use ScapeAdamS, and accumulate "
+        "gradients under ddp.no_sync().")
 
     def open(self, mask: Mask, layout: FlatLayout, base: list[tuple[int, int]] | None = None,
              narrow: bool = False, rows: tuple[int, int] | None = None) -> None:
@@ -293,7 +295,8 @@ class StepRecord:
         a second sync before the optimizer step."""
         again = self.synced.intersection(names)
         if again:
-            raise RuntimeError(self.already.format(name=sorted(again)[0]))
+            name = sorted(again)[0]
+            raise RuntimeError(self.already(name) if callable(self.already) else self.already.format(name=name))
         self.synced.update(names)
         self.counts["hook_calls"] += 1
 

@@ -14,9 +14,21 @@ import weakref
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from scape_core.model import unwrap_compiled
+
+_steps = [0]  # optimizer steps taken in this process (every optimizer's)
+_stepped_at: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # each optimizer's last step, in _steps
+
+
+def _count_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    _steps[0] += 1
+    _stepped_at[optimizer] = _steps[0]
+
+
+STEP_COUNTER = register_optimizer_step_post_hook(_count_step)  # tells another model's step from a skipped one
 
 
 def registered_states(ddp: nn.Module) -> list[Any] | None:
@@ -48,6 +60,8 @@ class DDPWatch:
         self._state = weakref.ref(state)
         self.forwards = 0  # grad-enabled forwards through the DDP model since the last step
         self.synced_forwards = 0  # those of them outside no_sync()
+        self.fed_by_graph = 0  # those of them whose input carried a gradient history (another model's output)
+        self._steps_at_start = _steps[0]  # the process's optimizer steps when the current step began
         self._last_grad: tuple[str, weakref.ref, int] | None = None  # one gradient as the last step saw it
         # eager even under torch.compile: a traced counter would be a guard, recompiling every step
         ddp.register_forward_pre_hook(torch.compiler.disable(self._on_forward))
@@ -55,11 +69,15 @@ class DDPWatch:
     def _on_forward(self, module: nn.Module, args: Any) -> None:
         if torch.is_grad_enabled():
             self.forwards += 1
-            self.synced_forwards += bool(module.require_backward_grad_sync)
+            synced = bool(module.require_backward_grad_sync)
+            self.synced_forwards += synced
+            self.fed_by_graph += synced and any(isinstance(a, Tensor) and a.grad_fn is not None for a in args)
 
     def stepped(self, names_with_grad: list[str]) -> None:
-        """Called by each optimizer step that went through: start watching the next one."""
-        self.forwards = self.synced_forwards = 0
+        """Called by each optimizer step that went through (and by a skipped one, with no names): start
+        watching the next one."""
+        self.forwards = self.synced_forwards = self.fed_by_graph = 0
+        self._steps_at_start = _steps[0]
         self._last_grad = None
         if names_with_grad:
             name = names_with_grad[0]
@@ -73,6 +91,32 @@ class DDPWatch:
         name, ref, version = self._last_grad
         grad = self._state().params[name].grad
         return grad is not None and grad is ref() and grad._version == version
+
+    def other_steps(self) -> int:
+        """Steps of optimizers other than this state's since its current step began."""
+        own = self._state().optimizer if self._state() is not None else None
+        mine = own is not None and _stepped_at.get(own, 0) > self._steps_at_start  # its step ends after stepped()
+        return _steps[0] - self._steps_at_start - mine
+
+    def through_another_model(self) -> bool:
+        """Whether gradients synchronized since the last step came from another model's loss flowing back
+        through this one (a GAN's G through D): a synchronized forward took another model's output with its
+        gradient history, and another optimizer has stepped since."""
+        return self.fed_by_graph > 0 and self.other_steps() > 0
+
+    def unapplied(self, name: str) -> str:
+        """Why ``name``'s gradients were synchronized again before this state's optimizer applied them, and the fix."""
+        if self.through_another_model():
+            return (f"scape_hook synchronized {name!r} a second time before ScapeAdamS.step(): a backward went through "
+                    "this model from another model's output (e.g. a GAN: G's loss flowing back through D) and "
+                    "another optimizer stepped, not this model's. Run that pass through this model under its "
+                    "no_sync() (`with d.no_sync(): g_loss = loss_fn(d(g(z)))`), or freeze its parameters for it "
+                    "(requires_grad_(False)): SCAPE would otherwise add the other loss's gradient to this model's "
+                    "residual")
+        return (f"scape_hook synchronized the same gradients twice without ScapeAdamS.step() in between (e.g. "
+                f"{name!r}): each synchronized backward must be followed by ScapeAdamS.step(). To skip a step (e.g. "
+                "on a gradient-norm spike), call opt.zero_grad() instead of opt.step(), on every rank. To accumulate "
+                "gradients over micro-batches, run all but the last backward under ddp.no_sync()")
 
     def explain(self, missing: list[str]) -> str:
         """Why the gradients of ``missing`` reached the optimizer unsynchronized, and the fix."""

@@ -333,6 +333,18 @@ class ScapeStateBase:
         if self.guard.due(self.step):
             self.guard.check(self)
 
+    def drop_step(self) -> None:
+        """The backward's synchronized step is not taken (``ScapeAdamS.zero_grad()`` without ``step()``,
+        on every rank): on a sparse step the means exchanged go back into each rank's residual, so the
+        step's gradient is applied later and nothing is lost; a dense step's are dropped, as a plain DDP
+        step skipped. The schedule does not advance: the next backward uses the same mask."""
+        record = self.record
+        if record.values is not None and record.entries is not None:
+            record.return_unapplied(self.residual_buffer, record.entries,
+                                    torch.zeros((), dtype=torch.bool, device=self.layout.device))
+        self.stepped()
+        self.record = self.new_record()
+
     def stepped(self) -> None:
         """The optimizer has written this step into the regions (before the record is replaced)."""
 
@@ -488,6 +500,14 @@ class ScapeState(ScapeStateBase):
 
     def stepped(self) -> None:
         self.watch.stepped(self.record.applied_names)  # after the optimizer wrote into the buckets
+
+    def new_record(self) -> StepRecord:
+        return StepRecord(self.buckets, already=self.watch.unapplied)  # a second sync says why
+
+    def drop_step(self) -> None:
+        if self.watch.through_another_model():  # not a skipped step: another model's loss went through this one
+            raise RuntimeError(self.watch.unapplied(sorted(self.record.synced)[0]))
+        super().drop_step()
 
     # ----- checkpoints ----------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
