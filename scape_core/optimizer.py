@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Callable, Iterable
 
 import torch
@@ -80,6 +81,7 @@ class ScapeAdamS(AdamS):
         self.statistics = {key: state.shard.zeros() for key in self.rule.statistics}
         self._consolidated: dict[str, Any] | None = None  # the whole state, gathered by consolidate_state_dict
         self._views: dict[tuple[str, ...], list[Tensor]] = {}  # staging views per set of parameters
+        self._resumed = False  # a state dict was loaded since the last step
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=foreach,
                          kernels=state.config.kernels)
         left_out = [n for n in state.params if n not in set(self._names.values())]
@@ -157,6 +159,7 @@ class ScapeAdamS(AdamS):
         size); a sharded optimizer keeps its shard of it.
         """
         self._consolidated = None
+        self._resumed = True  # the first step compares its step count with the SCAPE state's
         super().load_state_dict(state_dict)  # AdamS keeps the saved fp32 values
         for p, name in self._names.items():
             saved = dict(self.state[p])
@@ -242,6 +245,9 @@ class ScapeAdamS(AdamS):
             groups.append((group, params))
         if not names and not self.scape.record.synced:  # no backward since the last step: as torch's, nothing
             return loss  # to update, and the schedule does not advance (a SCAPE step is one synchronized backward)
+        if self._resumed:
+            self._resumed = False
+            self._check_resumed_together()
         mask, skip = self.scape.begin_step(names)
         self._consolidated = None
         if mask is not None and self._every_gradient and len(names) != len(self._names):
@@ -254,6 +260,23 @@ class ScapeAdamS(AdamS):
             self._sparse(groups, mask, skip, len(names) == len(self._names), beta1=beta1, beta2=beta2, eps=eps)
         self.scape.end_step(self.momentum_buffer, beta1, skip)
         return loss
+
+    def _check_resumed_together(self) -> None:
+        """Warn (rank 0) when the optimizer's state and SCAPE's were restored at different steps, e.g. a plain
+        ``torch.save`` of the model and ``opt.state_dict()`` loaded without SCAPE's state."""
+        ours, theirs = int(self.steps), self.scape.step
+        if ours == theirs or self.scape.rank != 0:
+            return
+        if ours > theirs:
+            what = (f"ScapeAdamS was resumed at optimizer step {ours}, but SCAPE's state is at step {theirs}: its "
+                    "schedule restarts there (the dense warm-up runs again) and the saved run's residuals (each "
+                    "rank's gradient not sent yet) are not restored")
+        else:
+            what = (f"SCAPE's state was resumed at step {theirs}, but ScapeAdamS's state is at optimizer step "
+                    f"{ours}: its momentum and statistics are not those of the saved run")
+        warnings.warn(f"SCAPE: {what}. Save and load both with scape_core.save_checkpoint / load_checkpoint "
+                      "(every rank calls them), or save gather_state_dict(state) beside opt.state_dict() and load "
+                      "it with state.load_state_dict(...) on every rank", stacklevel=3)
 
     def _shared_hyperparameters(self, groups: list[tuple[dict[str, Any], list[Tensor]]]) -> tuple[float, float, float]:
         found = {(*g["betas"], g["eps"]) for g, params in groups if params} or {(*self.defaults["betas"],
