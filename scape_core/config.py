@@ -5,8 +5,11 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import warnings
 from dataclasses import dataclass
 from typing import Any, Iterable, Mapping
+
+import torch.distributed as dist
 
 from scape_core.kernels import KERNELS
 from scape_core.layout import MAX_CHUNK
@@ -342,6 +345,7 @@ target density 0.1 (native wire, 10% of dense bytes) from step 0
         before it selects its own (e.g. both warm-ups ended before the saved step), and
         refused, naming the setting, when it does not. ``ramp_steps``, ``mask_refresh``, ``score``
         and ``selection`` only shape masks not yet chosen: any value resumes.
+        Another ``selection`` warns (rank 0): the run goes on, but not as the saved one would have.
 
         Example:
             >>> ScapeConfig(warmup_steps=3).check_resume(ScapeConfig(warmup_steps=10).to_dict(), step=6, masks=[])
@@ -361,6 +365,11 @@ target density 0.1 (native wire, 10% of dense bytes) from step 0
                              "the wire sets how many coordinates each mask holds, so the saved masks and residuals "
                              f"belong to the {was} wire. Resume with wire={was!r} (wire='auto' picks native when the "
                              "optimizer is sharded, an encoded wire from sparsity 0.95 when it is not)")
+        if saved.get("selection") not in (None, self.selection) and not (dist.is_initialized() and dist.get_rank()):
+            warnings.warn(f"SCAPE state was saved with selection={saved['selection']!r}, this run uses "
+                          f"selection={self.selection!r}: the masks from step {step} on are chosen by another rule, so "
+                          "the run does not continue the saved one as it would have. Resume with "
+                          f"selection={saved['selection']!r} to continue it (the default is 'topk')", stacklevel=4)
         held = {int(t) for t in masks}
         # masks chosen before the checkpoint: sparse steps whose selecting step (t - 1 - delay) came before it
         needed = [t for t in range(step, step + self.mask_delay + 1)

@@ -268,10 +268,36 @@ def test_a_plain_checkpoint_resume_names_what_was_not_restored(launch):
     assert not first["scape"] and not second["scape"]  # the SCAPE checkpoint restores both: nothing to say
 
 
+# ----- a checkpoint of selection="groups" resumed under the top-k default ------------------------------
+def _other_selection(rank: int) -> dict:
+    from scape_core import gather_state_dict
+
+    ddp, state, opt = _setup(make_model(), selection="groups")
+    _train(ddp, opt, rank, range(5))
+    saved = gather_state_dict(state)
+    out = {}
+    for selection in ("topk", "groups"):
+        _, state, _ = _setup(make_model(), selection=selection)
+        with said() as heard:
+            state.load_state_dict(saved)
+        out[selection] = [w for w in heard.warnings if "selection" in w]
+    return out
+
+
+def test_a_checkpoint_of_another_selection_warns_naming_it(launch):
+    first, second = (r["other_selection"] for r in launch)
+    assert first["topk"] == ["SCAPE state was saved with selection='groups', this run uses selection='topk': the "
+                             "masks from step 5 on are chosen by another rule, so the run does not continue the saved "
+                             "one as it would have. Resume with selection='groups' to continue it (the default is "
+                             "'topk')"], first
+    assert not second["topk"] and not first["groups"] and not second["groups"]
+
+
 def _launch(rank: int, world: int, tmp: str) -> dict:
     return dict(uneven=_uneven(rank, world), interrupted=_interrupted(rank), refused_group=_refused_group(rank),
                 skipped=_skipped(rank, world), unstepped=_unstepped(rank), gan=_gan(rank, no_sync=False),
-                gan_no_sync=_gan(rank, no_sync=True), plain_checkpoint=_plain_checkpoint(rank, tmp))
+                gan_no_sync=_gan(rank, no_sync=True), plain_checkpoint=_plain_checkpoint(rank, tmp),
+                other_selection=_other_selection(rank))
 
 
 @pytest.fixture(scope="module")
