@@ -29,8 +29,8 @@ def adams_reference(
         g32 = g.float()
         v = beta2 * m * m + (1 - beta2) * g32 * g32  # previous momentum, current gradient
         m.mul_(beta1).add_(g32, alpha=1 - beta1)
-        p32 = p.float() * (1 - lr * weight_decay) - lr * m / (v.sqrt() + eps)
-        p.copy_(p32)
+        wide = p.to(torch.promote_types(p.dtype, torch.float32))  # fp32 math, fp64 kept fp64
+        p.copy_(wide * (1 - lr * weight_decay) - lr * m / (v.sqrt() + eps))
 
 
 def adams_foreach(
@@ -48,8 +48,8 @@ def adams_foreach(
     if not params:
         return
     g32 = [g if g.dtype == torch.float32 else g.float() for g in grads]
-    low = [i for i, p in enumerate(params) if p.dtype != torch.float32]
-    p32 = [p.float() if p.dtype != torch.float32 else p for p in params]
+    low = [i for i, p in enumerate(params) if p.element_size() < 4]  # bf16, fp16: fp32 math, stored back
+    p32 = [p.float() if i in low else p for i, p in enumerate(params)]  # fp32 and fp64 in place
     denom = torch._foreach_mul(momenta, momenta)
     torch._foreach_mul_(denom, beta2)
     torch._foreach_addcmul_(denom, g32, g32, value=1 - beta2)

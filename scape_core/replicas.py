@@ -64,7 +64,7 @@ class ReplicaGuard:
 
     def fingerprints(self, state: "ScapeStateBase") -> tuple[list[str], Tensor]:
         """``(buffer names, (buffers, parameters) int64)``: per buffer and parameter, the sum of the values'
-        bits (the parameters pass through the staging buffer in fp32, exactly)."""
+        bits (the parameters pass through the staging buffer in fp32, exactly; an fp64 one adds its own bits)."""
         layout = state.layout
         names = list(layout.numel)
         if self._row_param is None:
@@ -87,6 +87,9 @@ class ReplicaGuard:
         per_row = torch.stack(rows)
         out = torch.zeros(per_row.shape[0], len(names), dtype=torch.long, device=layout.device)
         out.index_add_(1, self._row_param, per_row)
+        for i, name in enumerate(names):  # wider than the fp32 staging (fp64): its own bits too
+            if local[name].element_size() > 4 and local[name].is_floating_point():
+                out[0, i] += local[name].detach().reshape(-1).view(torch.int64).sum()
         return list(buffers), out
 
     def check(self, state: "ScapeStateBase") -> None:

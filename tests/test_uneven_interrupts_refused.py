@@ -293,11 +293,33 @@ def test_a_checkpoint_of_another_selection_warns_naming_it(launch):
     assert not second["topk"] and not first["groups"] and not second["groups"]
 
 
+# ----- fp64 parameters ------------------------------------------------------------------------------
+def _fp64(rank: int) -> dict:
+    model = make_model(dtype=torch.float64)
+    ddp, state, opt = _setup(model, replica_check_every=2, wire="native")
+    for t in range(5):  # dense steps 0-1, sparse 2-4
+        loss_fn(ddp, *batch(t, rank, dtype=torch.float64)).backward()
+        opt.step()
+        opt.zero_grad()
+    kept = [bool((p != p.float().double()).any()) for p in model.parameters()]
+    with torch.no_grad():
+        if rank == 1:
+            model[0].weight[0, 0] += 1e-12
+    return dict(kept=kept, dtype=str(model[0].weight.dtype), guard=failure(lambda: state.guard.check(state)))
+
+
+def test_fp64_parameters_keep_their_precision_and_the_guard_sees_it(launch):
+    for r in launch:
+        assert r["fp64"]["dtype"] == "torch.float64" and all(r["fp64"]["kept"]), r["fp64"]
+        assert r["fp64"]["guard"].startswith("ReplicaMismatch: SCAPE: the ranks' replicated state differs after "
+                                             "optimizer step 5: parameters of parameter '0.weight'"), r["fp64"]["guard"]
+
+
 def _launch(rank: int, world: int, tmp: str) -> dict:
     return dict(uneven=_uneven(rank, world), interrupted=_interrupted(rank), refused_group=_refused_group(rank),
                 skipped=_skipped(rank, world), unstepped=_unstepped(rank), gan=_gan(rank, no_sync=False),
                 gan_no_sync=_gan(rank, no_sync=True), plain_checkpoint=_plain_checkpoint(rank, tmp),
-                other_selection=_other_selection(rank))
+                other_selection=_other_selection(rank), fp64=_fp64(rank))
 
 
 @pytest.fixture(scope="module")
