@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import warnings
 import weakref
@@ -32,6 +33,8 @@ SINGLE_PROCESS = ("SCAPE: world size 1, nothing to communicate: SCAPE is inactiv
                   "accelerate_scape.ScapePlugin does")
 
 
+PADDED_LAYOUT = 2.0  # the start of a run warns when the flat layout is this many times the parameters...
+PADDED_VALUES = 2**20  # ...and its padding this many values (4 MiB a buffer) or more
 # what adapters log
 LOGGED = ("bytes_sent", "dense_bytes", "compression", "step_compression", "skipped_steps", "skipped_streak")
 log = logging.getLogger("scape_core")  # the start-of-run line (ScapeStateBase.announce)
@@ -278,6 +281,34 @@ class ScapeStateBase:
                           f"{self.config.chunk_size} on this model: every row (and every parameter's last row) "
                           f"exchanges at least one coordinate, so a sparse step sends {sent * 100:.3g}% of dense "
                           f"bytes. Raise chunk_size (at most 32768) or lower sparsity", stacklevel=2)
+        cost = self.layout_cost()
+        if cost:
+            warnings.warn(cost, stacklevel=2)
+
+    def layout_cost(self) -> str | None:
+        """What the flat layout costs when it is much larger than the parameters (many small tensors, each
+        starting its own row of ``chunk_size``), and a ``chunk_size`` that packs them; ``None`` otherwise.
+
+        Example:
+            >>> ScapeState(ddp_of_600_small_tensors, sparsity=0.99).layout_cost()   # doctest: +SKIP
+            'SCAPE: the flat layout holds 2,457,600 values for 315,000 parameters (7.8x): ...'
+        """
+        numel, chunk = sum(self.layout.numel.values()), self.layout.chunk
+        laid = self.layout.rows * chunk
+        if laid <= PADDED_LAYOUT * numel or laid - numel <= PADDED_VALUES:
+            return None
+        floor = 1 << max(4, math.ceil(math.log2(1 / (1 - self.config.sparsity)))) if not self.config.dense else 16
+        sizes = {c: sum(-(-n // c) for n in self.layout.numel.values()) * c for c in
+                 (chunk >> i for i in range(1, 12)) if c >= floor}
+        packed = max((c for c in sizes if sizes[c] <= 1.5 * numel), default=None)  # the largest that packs them
+        packed = packed or min(sizes, key=sizes.get, default=chunk)
+        mib = (laid - numel) * 4 / 2**20
+        return (f"SCAPE: the flat layout holds {laid:,} values for {numel:,} parameters ({laid / numel:.1f}x): each of "
+                f"the {len(self.layout.numel)} tensors starts its own row of chunk_size={chunk}, so each of SCAPE's "
+                f"fp32 buffers (the residual, m, the rule's statistics, the windows, the staging) carries {mib:,.1f} "
+                f"MiB of padding. chunk_size={packed} lays them out in {sizes.get(packed, laid):,} values "
+                f"({sizes.get(packed, laid) / numel:.1f}x); every row sends at least one coordinate, so keep "
+                "chunk_size above 1 / (1 - sparsity)")
 
     def sent_share(self) -> float | None:
         """The share of dense bytes a sparse step at the target density sends on this layout (``None``

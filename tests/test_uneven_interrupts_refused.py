@@ -315,11 +315,43 @@ def test_fp64_parameters_keep_their_precision_and_the_guard_sees_it(launch):
                                              "optimizer step 5: parameters of parameter '0.weight'"), r["fp64"]["guard"]
 
 
+# ----- many small tensors ------------------------------------------------------------------------------
+class SmallTensors(torch.nn.Module):
+    """300 tensors of 500 values: each starts its own row of chunk_size=4096."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.pieces = torch.nn.ParameterList([torch.nn.Parameter(torch.zeros(500)) for _ in range(300)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * sum(p.sum() for p in self.pieces)
+
+
+def _small_tensors(rank: int) -> dict:
+    out = {}
+    for name, model in (("small", SmallTensors()), ("mlp", make_model())):
+        with said() as heard:
+            ScapeState(DDP(model), sparsity=0.99).announce()
+        out[name] = [w for w in heard.warnings if "flat layout" in w]
+    return out
+
+
+def test_a_layout_much_larger_than_the_parameters_is_said_with_its_cost(launch):
+    first, second = (r["small_tensors"] for r in launch)
+    assert first["small"] == ["SCAPE: the flat layout holds 1,228,800 values for 150,000 parameters (8.2x): each of "
+                              "the 300 tensors starts its own row of chunk_size=4096, so each of SCAPE's fp32 buffers "
+                              "(the residual, m, the rule's statistics, the windows, the staging) carries 4.1 MiB of "
+                              "padding. chunk_size=512 lays them out in 153,600 values (1.0x); every row sends at "
+                              "least one coordinate, so keep chunk_size above 1 / (1 - sparsity)"], first
+    assert not second["small"] and not first["mlp"]  # rank 0 only; a small model's padding is not worth a word
+
+
 def _launch(rank: int, world: int, tmp: str) -> dict:
     return dict(uneven=_uneven(rank, world), interrupted=_interrupted(rank), refused_group=_refused_group(rank),
                 skipped=_skipped(rank, world), unstepped=_unstepped(rank), gan=_gan(rank, no_sync=False),
                 gan_no_sync=_gan(rank, no_sync=True), plain_checkpoint=_plain_checkpoint(rank, tmp),
-                other_selection=_other_selection(rank), fp64=_fp64(rank))
+                other_selection=_other_selection(rank), fp64=_fp64(rank),
+                small_tensors=_small_tensors(rank))
 
 
 @pytest.fixture(scope="module")
