@@ -20,6 +20,9 @@ import torch
 from torch import Tensor
 
 STREAK_CHECK_EVERY = 25  # steps between the reads of the skip streak when nothing else reads the device
+# what a failed check means (scape_core.exchange.all_finite sums the values in fp32)
+NOT_FINITE = ("NaN or inf values, or finite values so large (near fp32's limit, 3.4e38) that their fp32 sum "
+              "overflowed; SCAPE drops such a step, as torch's GradScaler drops an overflowing one")
 
 
 class SkipStreak:
@@ -87,9 +90,10 @@ class SkipStreak:
         self._warned = reached
         steps = f"steps {at - self.limit + 1}..{at}"
         if self.rank == 0:
-            warnings.warn(f"SCAPE: {self.limit} consecutive optimizer steps were skipped ({steps}): a rank's "
-                          "gradients were non-finite (NaN/inf) at each, so nothing is being learned. Check the loss "
-                          "and the learning rate; stats()['skipped_streak'] counts the current streak", stacklevel=3)
+            warnings.warn(f"SCAPE: {self.limit} consecutive optimizer steps were skipped ({steps}): the gradients "
+                          f"did not pass SCAPE's finiteness check at each ({NOT_FINITE}), so nothing is being learned. "
+                          "Check the loss, its scale and the learning rate; stats()['skipped_streak'] counts the "
+                          "current streak", stacklevel=3)
         if own:
-            warnings.warn(f"SCAPE: rank {self.rank}'s own gradients were non-finite in {own} of the {self.limit} "
-                          f"consecutive skipped steps ({steps})", stacklevel=3)
+            warnings.warn(f"SCAPE: rank {self.rank}'s own gradients failed the finiteness check in {own} of the "
+                          f"{self.limit} consecutive skipped steps ({steps}): {NOT_FINITE}", stacklevel=3)

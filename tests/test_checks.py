@@ -16,6 +16,7 @@ import torch.distributed as dist
 from scape_core import gather_state_dict, load_checkpoint, save_checkpoint
 from scape_core.checkpoint import verify_file, verify_folder
 from scape_core.state import SINGLE_PROCESS
+from scape_core.streak import NOT_FINITE
 from tests.dist import failure, run_distributed
 from tests.test_core_ddp import batch, loss_fn, make_model, scape_setup, snapshot, train
 
@@ -226,14 +227,14 @@ def test_a_long_skip_streak_warns_once_per_streak(core):
         assert every_step["streaks"][:12] == [0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 0, 0]
         assert every_step["streaks"][12:18] == [1, 2, 3, 4, 5, 0]
         streak = [w for w in every_step["warnings"] if "consecutive optimizer steps were skipped" in w]
-        assert streak == ([f"SCAPE: 5 consecutive optimizer steps were skipped (steps {a}..{b}): a rank's gradients "
-                           "were non-finite (NaN/inf) at each, so nothing is being learned. Check the loss and the "
-                           "learning rate; stats()['skipped_streak'] counts the current streak"
-                           for a, b in ((3, 7), (12, 16))] if rank == 0 else [])
+        assert streak == ([f"SCAPE: 5 consecutive optimizer steps were skipped (steps {a}..{b}): the gradients did "
+                           f"not pass SCAPE's finiteness check at each ({NOT_FINITE}), so nothing is being learned. "
+                           "Check the loss, its scale and the learning rate; stats()['skipped_streak'] counts the "
+                           "current streak" for a, b in ((3, 7), (12, 16))] if rank == 0 else [])
         own = [w for w in every_step["warnings"] if "own gradients" in w]
         # sparse from step 2 (warmup=2): each rank knows what it sent, so rank 1 names itself
-        named = [f"SCAPE: rank 1's own gradients were non-finite in 5 of the 5 consecutive skipped steps "
-                 f"(steps {a}..{b})" for a, b in ((3, 7), (12, 16))]
+        named = [f"SCAPE: rank 1's own gradients failed the finiteness check in 5 of the 5 consecutive skipped steps "
+                 f"(steps {a}..{b}): {NOT_FINITE}" for a, b in ((3, 7), (12, 16))]
         assert own == ([] if rank == 0 else named)
         # no stats(): both streaks are reported at step 50 (from the copy of step 25), in one warning for the latest
         late = [w for w in plain["warnings"] if "consecutive optimizer steps were skipped" in w]

@@ -346,12 +346,44 @@ def test_a_layout_much_larger_than_the_parameters_is_said_with_its_cost(launch):
     assert not second["small"] and not first["mlp"]  # rank 0 only; a small model's padding is not worth a word
 
 
+# ----- finite gradients whose fp32 sum overflows ----------------------------------------------------
+def _overflowing_sum(rank: int) -> dict:
+    """Sparse steps 2-4 add 1e35 to each of 4,096 gradients: every one finite, their fp32 sum past 3.4e38."""
+    model = make_model()
+    ddp, state, opt = _setup(model, skip_streak_warning=3)
+    finite = []
+    with said() as heard:
+        for t in range(5):
+            push = 1e35 * model[2].weight.sum() if t >= 2 else 0.0
+            (loss_fn(ddp, *batch(t, rank)) + push).backward()
+            finite.append(all(bool(torch.isfinite(p.grad).all()) for p in model.parameters()))
+            opt.step()
+            opt.zero_grad()
+        stats = state.stats()
+    return dict(warnings=[w for w in heard.warnings if "finiteness" in w], skipped=stats["skipped_steps"],
+                finite=finite)
+
+
+def test_finite_gradients_whose_sum_overflows_are_named_as_such(launch):
+    from scape_core.streak import NOT_FINITE
+
+    for rank, r in enumerate(launch):
+        got = r["overflowing_sum"]
+        assert got["skipped"] == 3 and all(got["finite"][:2]), got
+        assert "finite values so large (near fp32's limit, 3.4e38) that their fp32 sum overflowed" in NOT_FINITE
+        streak = [w for w in got["warnings"] if "optimizer steps were skipped" in w]
+        assert len(streak) == (1 if rank == 0 else 0) and all(NOT_FINITE in w for w in streak), got["warnings"]
+        own = [w for w in got["warnings"] if "own gradients" in w]
+        assert own == [f"SCAPE: rank {rank}'s own gradients failed the finiteness check in 3 of the 3 consecutive "
+                       f"skipped steps (steps 2..4): {NOT_FINITE}"], got["warnings"]
+
+
 def _launch(rank: int, world: int, tmp: str) -> dict:
     return dict(uneven=_uneven(rank, world), interrupted=_interrupted(rank), refused_group=_refused_group(rank),
                 skipped=_skipped(rank, world), unstepped=_unstepped(rank), gan=_gan(rank, no_sync=False),
                 gan_no_sync=_gan(rank, no_sync=True), plain_checkpoint=_plain_checkpoint(rank, tmp),
                 other_selection=_other_selection(rank), fp64=_fp64(rank),
-                small_tensors=_small_tensors(rank))
+                small_tensors=_small_tensors(rank), overflowing_sum=_overflowing_sum(rank))
 
 
 @pytest.fixture(scope="module")
