@@ -43,6 +43,7 @@ QUESTIONS = {
                  "k contiguous groups: a reduction)",
     "replica_check_every": "Optimizer steps between checks that every rank holds the same replicated state "
                            "(0: never)",
+    "max_window": "Most steps a coordinate waits between exchanges before it is picked first (0: eight mean windows)",
 }
 
 

@@ -41,7 +41,7 @@ from benchmarks.experiments import candidate_rules, candidate_wires  # noqa: F40
 from scape_core import wire as wires
 from scape_core.adams import adams_foreach
 from scape_core.config import ScapeConfig
-from scape_core.layout import FlatLayout, topk_count
+from scape_core.layout import FlatLayout, MaskShape, topk_count
 from scape_core.masks import EXCLUDED, PADDING, SELECTIONS, Mask, age_momentum_score, momentum_residual_score, select
 from scape_core.selection import MaskSelector, partition
 from scape_core.update_rules import UPDATE_RULES
@@ -196,7 +196,7 @@ class SimulatedScape:
             self.counters.mask_bytes += payload
             self.counters.bytes_sent += payload
             return Mask(shape.density, torch.cat(parts))
-        score = self._replicated_score(target)
+        score = self._replicated_score(target, shape)
         if self.scope == "row" and self.vector_density is None:
             return Mask(shape.density, SELECTIONS[self.config.selection](score, layout, shape, scheduled))
         # prototypes: entries chosen outside the per-row shape (the mask keeps only its flat entries)
@@ -214,10 +214,10 @@ class SimulatedScape:
             picked = torch.cat([picked[~on_vector(picked)], vec[on_vector(vec)]])
         return Mask(shape.density, torch.empty(0, dtype=torch.int16), _flat=picked.sort().values)
 
-    def _replicated_score(self, target: int) -> Tensor:
+    def _replicated_score(self, target: int, shape: MaskShape) -> Tensor:
         m = self.m
         if self.score == "age_momentum":
-            return age_momentum_score(m, self.windows, target)
+            return age_momentum_score(m, self.windows, target, self.window_limit(shape))
         if self.score == "momentum" or self.windows is None:
             return m.abs()
         age = self.windows.float().neg_().add_(target - 1)  # n - 1 at the step the mask is for

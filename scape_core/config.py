@@ -23,6 +23,7 @@ WIRE_BITS = {"bfloat16": 16, "int8": 8, "int4": 4}
 # wire="auto": the wire from each sparsity up, as measured at equal bytes (docs/benchmarks.md): int4 won at 1-3%
 # of dense bytes, int8 at 5%, both tied native at 7% and lost at 10%
 AUTO_WIRES = ((0.97, "int4"), (0.95, "int8"))
+WINDOW_LIMIT_MEAN_WINDOWS = 8  # max_window=0: a coordinate is overdue after this many mean windows (chunk / k)
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,16 @@ class ScapeConfig:
             three seeds; worse on every pair off the corpus it was chosen on, ``docs/benchmarks.md``),
             level at 90%, worse at 99.9%. Both are computed identically on every rank from replicated
             values, with a fixed number of picks per row (``docs/algorithm.md``).
+        max_window: the longest a coordinate waits between two exchanges, in steps, under the
+            default age score. A coordinate whose window would pass it is overdue: it is picked before
+            every scored one, the longest-waiting first, whatever its momentum, so every coordinate
+            is exchanged at least every ``max_window + ceil(chunk_size / k)`` steps (``k`` the row's
+            picks). Without it a coordinate whose ``m`` is 0 (tokens first seen after the warm-up,
+            added tokens, idle experts, every coordinate with ``warmup_steps=0``) scores 0 and never
+            trains. ``0`` (default): ``8 * ceil(chunk_size / k)`` at each density, eight mean windows
+            (112 steps at the 99% default, 1,064 at 99.9%), which leaves the score's own picks alone
+            for coordinates that move. Lower it to bring rare coordinates in sooner (more of each step's
+            picks go to them); a very large value (``2**24``) turns the bound off.
 
     Example:
         >>> ScapeConfig(sparsity=0.9, warmup_steps=20).density
@@ -118,6 +129,7 @@ class ScapeConfig:
     kernels: str = "eager"
     selection: str = "topk"
     replica_check_every: int = 100
+    max_window: int = 0
 
     def __post_init__(self) -> None:
         normalized = {  # any real number type (numpy scalars included) is kept as a Python float / int
@@ -129,6 +141,7 @@ class ScapeConfig:
             "chunk_size": _check_int("chunk_size", self.chunk_size, minimum=16),
             "skip_streak_warning": _check_int("skip_streak_warning", self.skip_streak_warning, minimum=0),
             "replica_check_every": _check_int("replica_check_every", self.replica_check_every, minimum=0),
+            "max_window": _check_int("max_window", self.max_window, minimum=0),
         }
         for name, value in normalized.items():
             object.__setattr__(self, name, value)  # the dataclass is frozen
@@ -161,6 +174,18 @@ class ScapeConfig:
         if self.resolved_score not in SCORES[1:]:
             raise ValueError(f"update rule {self.update!r} declares default_score={self.resolved_score!r}; "
                              f"expected one of {SCORES[1:]}")
+
+    def window_limit(self, chunk: int, k: int) -> int | None:
+        """The longest window before a coordinate is overdue (:attr:`max_window`), at ``k`` picks per row
+        of ``chunk``; ``None`` when the score reads no windows.
+
+        Example:
+            >>> ScapeConfig().window_limit(4096, 309)      # the 99% default's rows: 8 * ceil(4096 / 309)
+            112
+        """
+        if self.resolved_score != "age_momentum":
+            return None
+        return self.max_window or WINDOW_LIMIT_MEAN_WINDOWS * math.ceil(chunk / max(k, 1))
 
     @property
     def keeps_windows(self) -> bool:
@@ -343,8 +368,8 @@ target density 0.1 (native wire, 10% of dense bytes) from step 0
         holds masks for. Another ``sparsity`` is refused. Another ``warmup_steps`` or
         ``mask_delay`` is accepted when the checkpoint holds every mask this config needs
         before it selects its own (e.g. both warm-ups ended before the saved step), and
-        refused, naming the setting, when it does not. ``ramp_steps``, ``mask_refresh``, ``score``
-        and ``selection`` only shape masks not yet chosen: any value resumes.
+        refused, naming the setting, when it does not. ``ramp_steps``, ``mask_refresh``, ``score``,
+        ``selection`` and ``max_window`` only shape masks not yet chosen: any value resumes.
         Another ``selection`` warns (rank 0): the run goes on, but not as the saved one would have.
 
         Example:
@@ -406,7 +431,7 @@ target density 0.1 (native wire, 10% of dense bytes) from step 0
 
 # the fields only sparse steps read: a dense run's start-of-run line says they do not apply
 SPARSE_ONLY = ("warmup_steps", "mask_delay", "mask_refresh", "error_feedback", "score", "update", "ramp_steps",
-               "chunk_size", "wire", "wire_block", "selection")
+               "chunk_size", "wire", "wire_block", "selection", "max_window")
 # a layout whose masks send this many times the bytes the sparsity asks for (every row picks one at least, a
 # parameter's last row too) is out of reach: the start-of-run line says what is sent, and it warns
 OUT_OF_REACH = 1.5

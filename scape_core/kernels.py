@@ -36,7 +36,7 @@ from torch import Tensor
 from scape_core import wire
 from scape_core.buckets import positions_in_regions
 from scape_core.layout import FlatLayout, MaskShape, row_of, short_group_index
-from scape_core.masks import excluded_key
+from scape_core.masks import OVERDUE, SCORE_CAP, excluded_key
 from scape_core.wire import WirePlan
 
 KERNELS = ("eager", "compiled")
@@ -116,9 +116,19 @@ def adams_pass(params: list[Tensor], grads: list[Tensor], momenta: list[Tensor],
         p.copy_(p.float() * decay - lr * m / (v.sqrt() + eps))
 
 
-def age_momentum_pass(m: Tensor, synced_at: Tensor, before: Tensor, out: Tensor) -> Tensor:
-    """``|m| (n - 1)`` into ``out``: ``(synced_at - before) * m``, ``before = target - 1`` (0-dim)."""
-    return out.copy_(((synced_at - before) * m).abs())
+def age_score(m: Tensor, synced_at: Tensor, before: Tensor, due: Tensor | None) -> Tensor:
+    """:func:`scape_core.masks.age_momentum_score` as one expression (a compiled pass writes it nowhere):
+    ``|(synced_at - before) m|`` capped, ``before = target - 1``, and ``(due - synced_at) * OVERDUE``
+    above it for a coordinate last exchanged before ``due = target - max_window`` (0-dim tensors)."""
+    score = ((synced_at - before) * m).abs()
+    if due is None:
+        return score
+    return torch.maximum(score.clamp(max=SCORE_CAP), (due - synced_at) * OVERDUE)
+
+
+def age_momentum_pass(m: Tensor, synced_at: Tensor, before: Tensor, due: Tensor | None, out: Tensor) -> Tensor:
+    """The age score (:func:`age_score`) into ``out``."""
+    return out.copy_(age_score(m, synced_at, before, due))
 
 
 def best_in_groups(keys: Tensor) -> Tensor:
@@ -136,12 +146,12 @@ def best_in_groups(keys: Tensor) -> Tensor:
     return (width - 1) - (best & 0xFFFFFFFF)
 
 
-def pick_pass(m: Tensor, synced_at: Tensor, before: Tensor, excluded: Tensor | None, k: int,
+def pick_pass(m: Tensor, synced_at: Tensor, before: Tensor, due: Tensor | None, excluded: Tensor | None, k: int,
               short: tuple[Tensor, Tensor, Tensor] | None, widest: int,
               entry_rows: tuple[Tensor, Tensor, Tensor] | None,
               index_dtype: torch.dtype = torch.int64) -> tuple[Tensor, Tensor | None]:
-    """``selection="groups"`` of the score ``|m| (n - 1)`` in one pass over ``m`` and the windows: the
-    score, the exclusion and each group's best, without writing the score. As
+    """``selection="groups"`` of the age score (:func:`age_score`) in one pass over ``m`` and the windows:
+    the score, the exclusion and each group's best, without writing the score. As
     :func:`scape_core.masks.select_groups` (the same columns), for ``excluded`` (the mask being
     flushed, ``(rows, k)`` columns) ``None`` or a groups mask of the same ``k``: its column of group
     ``j`` lies in group ``j``, so the exclusion is a comparison in each group, not a scatter.
@@ -153,7 +163,7 @@ def pick_pass(m: Tensor, synced_at: Tensor, before: Tensor, excluded: Tensor | N
     entries or None)``.
     """
     rows, chunk = m.shape
-    keys = ((synced_at - before) * m).abs().view(torch.int32)  # the bits order scores >= 0
+    keys = age_score(m, synced_at, before, due).view(torch.int32)  # the bits order scores >= 0
     size, wider = divmod(chunk, k)  # the first `wider` groups hold size + 1 columns
     parts = []
     for lo, hi, first, n, width in ((0, wider * (size + 1), 0, wider, size + 1),
@@ -456,20 +466,28 @@ class Kernels:
                                                      self.scalar("decay", 1 - lr * weight_decay, cpu), beta1, beta2,
                                                      eps)
 
-    def age_momentum(self, m: Tensor, synced_at: Tensor, target: int, out: Tensor) -> Tensor:
-        """``|m| (n - 1)`` into ``out`` in one pass (eager: :func:`scape_core.masks.age_momentum_score`)."""
-        before = self.scalar("before", target - 1, torch.device("cpu"), torch.float32)
-        return self._fn("score", age_momentum_pass, tuple(m.shape))(m, synced_at, before, out)  # the CPU's blocks
+    def age_steps(self, target: int, max_window: int | None) -> tuple[Tensor, Tensor | None]:
+        """The age score's 0-dim inputs for the mask of ``target``: ``target - 1`` and, with a
+        ``max_window``, ``target - max_window`` (fp32, exact: windows are fp32 steps)."""
+        cpu = torch.device("cpu")
+        due = None if max_window is None else self.scalar("due", target - max_window, cpu, torch.float32)
+        return self.scalar("before", target - 1, cpu, torch.float32), due
 
-    def pick(self, m: Tensor, synced_at: Tensor, target: int, excluded: Tensor | None, layout: FlatLayout,
-             shape: MaskShape, rows: slice, entries: bool) -> tuple[Tensor, Tensor | None]:
+    def age_momentum(self, m: Tensor, synced_at: Tensor, target: int, max_window: int | None, out: Tensor) -> Tensor:
+        """The age score into ``out`` in one pass (eager: :func:`scape_core.masks.age_momentum_score`)."""
+        before, due = self.age_steps(target, max_window)
+        key = (tuple(m.shape), due is None)  # the CPU's blocks
+        return self._fn("score", age_momentum_pass, key)(m, synced_at, before, due, out)
+
+    def pick(self, m: Tensor, synced_at: Tensor, target: int, max_window: int | None, excluded: Tensor | None,
+             layout: FlatLayout, shape: MaskShape, rows: slice, entries: bool) -> tuple[Tensor, Tensor | None]:
         """:func:`pick_pass` for rows ``rows`` of ``layout`` (``m`` and ``synced_at`` hold those rows): the
         mask of step ``target`` (compiled only; one compiled copy per density, rows and exclusion)."""
-        before = self.scalar("before", target - 1, torch.device("cpu"), torch.float32)
+        before, due = self.age_steps(target, max_window)
         short = shape.short_rows(rows.start, rows.stop)
         entry_rows = (layout.full_rows, layout.partial_rows, shape.partial_index) if entries else None
-        key = (tuple(m.shape), shape.density, rows.start, rows.stop, excluded is None, entries)
-        return self._fn("pick", pick_pass, key)(m, synced_at, before, excluded, shape.k, short, shape.widest,
+        key = (tuple(m.shape), shape.density, rows.start, rows.stop, excluded is None, entries, due is None)
+        return self._fn("pick", pick_pass, key)(m, synced_at, before, due, excluded, shape.k, short, shape.widest,
                                                 entry_rows, layout.index_dtype)
 
     def stage(self, buffers: list[Tensor], residual: Tensor | None, entries: Tensor, row_shift: Tensor,

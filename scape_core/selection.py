@@ -40,11 +40,13 @@ def partition(layout: FlatLayout, rank: int, world: int) -> slice:
 
 
 def score(kind: str, m: Tensor, residual: Tensor | None, windows: Tensor | None, target: int, beta1: float,
-          out: Tensor | None = None, kernels: Kernels | None = None) -> Tensor:
+          out: Tensor | None = None, kernels: Kernels | None = None, max_window: int | None = None,
+          late: Tensor | None = None) -> Tensor:
     """The score of the coordinates of ``m`` (any rows) for the mask of step ``target``.
 
-    ``kind`` is a :attr:`ScapeConfig.resolved_score`: ``"age_momentum"`` (``|m| (n - 1)``),
-    ``"momentum"`` (``|m|``) or ``"momentum_residual"`` (``|beta1 m + (1 - beta1) e_r|``).
+    ``kind`` is a :attr:`ScapeConfig.resolved_score`: ``"age_momentum"`` (``|m| (n - 1)``, a window past
+    ``max_window`` first: :func:`~scape_core.masks.age_momentum_score`), ``"momentum"`` (``|m|``) or
+    ``"momentum_residual"`` (``|beta1 m + (1 - beta1) e_r|``). ``out``, ``late``: scratch buffers.
 
     Example:
         >>> score("momentum", torch.tensor([[-2.0, 1.0]]), None, None, target=5, beta1=0.9)
@@ -54,8 +56,9 @@ def score(kind: str, m: Tensor, residual: Tensor | None, windows: Tensor | None,
         return momentum_residual_score(m, residual, beta1)
     if kind == "age_momentum":
         if kernels is not None and kernels.compiled and windows is not None:  # one fused pass
-            return kernels.age_momentum(m, windows, target, out if out is not None else torch.empty_like(m))
-        return age_momentum_score(m, windows, target, out=out)
+            return kernels.age_momentum(m, windows, target, max_window,
+                                        out if out is not None else torch.empty_like(m))
+        return age_momentum_score(m, windows, target, max_window, out=out, late=late)
     return torch.abs(m, out=out)
 
 
@@ -94,6 +97,7 @@ class MaskSelector:
         self._strided: dict[float, Mask] = {}
         self._pending: tuple[int, Any, Tensor] | None = None  # (step, work, gathered columns)
         self.scratch: Tensor | None = None  # the CPU's score buffer, one block of rows (see workspace)
+        self.late_scratch: Tensor | None = None  # and the overdue term's
         self.block_rows = max(1, CPU_SCORE_VALUES // layout.chunk) if layout.device.type == "cpu" else layout.rows
         for density in self.schedule.densities():  # built now: their first use reads the device once
             layout.mask_shape(density)
@@ -167,7 +171,8 @@ class MaskSelector:
         groups = self.config.selection == "groups"
         if self.fusable(shape, scheduled, w):  # one compiled pass: score, exclusion, picks (and the entries)
             excluded = None if scheduled is None else scheduled.cols[rows]
-            own, entries = self.kernels.pick(m, w, target, excluded, self.layout, shape, rows, entries=self.whole)
+            own, entries = self.kernels.pick(m, w, target, self.window_limit(shape), excluded, self.layout, shape,
+                                             rows, entries=self.whole)
         else:
             own, entries = self.pick(rows, shape, scheduled, m, e, w, target, beta1), None
         if self.whole:  # every rank selected the whole mask itself: nothing to exchange
@@ -205,9 +210,15 @@ class MaskSelector:
             e = None if residual is None else part(residual)
             w = None if windows is None else part(windows)
             s = score(self.config.resolved_score, part(m), e, w, target, beta1,
-                      out=self.workspace(block.stop - block.start), kernels=self.kernels)
+                      out=self.workspace(block.stop - block.start), kernels=self.kernels,
+                      max_window=self.window_limit(shape), late=self.workspace(block.stop - block.start, late=True))
             picked.append(SELECTIONS[self.config.selection](s, self.layout, shape, scheduled, block))
         return picked[0] if len(picked) == 1 else torch.cat(picked)
+
+    def window_limit(self, shape: MaskShape) -> int | None:
+        """The longest window at ``shape``'s density before a coordinate is overdue
+        (:meth:`ScapeConfig.window_limit`)."""
+        return self.config.window_limit(self.layout.chunk, shape.k)
 
     def finish_pending(self) -> None:
         """Wait for the partitions' all-gather in flight (if any) and file its mask."""
@@ -231,12 +242,18 @@ class MaskSelector:
         size = max(1, self.block_rows)
         return [slice(lo, min(lo + size, rows.stop)) for lo in range(rows.start, rows.stop, size)] or [rows]
 
-    def workspace(self, rows: int) -> Tensor | None:
-        """A ``(rows, chunk)`` fp32 scratch buffer for the score (``rows`` at most one block). Kept on
-        the CPU, where a fresh buffer this size costs more (page faults) than the arithmetic: 100 ms
-        against 31 for 25M scores; on a GPU the caching allocator reuses a transient one."""
+    def workspace(self, rows: int, late: bool = False) -> Tensor | None:
+        """A ``(rows, chunk)`` fp32 scratch buffer for the score (``rows`` at most one block; ``late``: a
+        second one, for the overdue term). Kept on the CPU, where a fresh buffer this size costs more
+        (page faults) than the arithmetic: 100 ms against 31 for 25M scores; on a GPU the caching
+        allocator reuses a transient one."""
         if self.layout.device.type != "cpu":
             return None
-        if self.scratch is None or self.scratch.shape[0] < rows:
-            self.scratch = torch.zeros(rows, self.layout.chunk, device=self.layout.device)
-        return self.scratch if self.scratch.shape[0] == rows else self.scratch[:rows]
+        scratch = self.late_scratch if late else self.scratch
+        if scratch is None or scratch.shape[0] < rows:
+            scratch = torch.zeros(rows, self.layout.chunk, device=self.layout.device)
+            if late:
+                self.late_scratch = scratch
+            else:
+                self.scratch = scratch
+        return scratch if scratch.shape[0] == rows else scratch[:rows]

@@ -74,9 +74,20 @@ def topk_count(size: int, density: float) -> int:
     return min(size, math.ceil(density * size - 1e-9))
 
 
-def age_momentum_score(m: Tensor, last_sync: Tensor, target: int) -> Tensor:
-    """``|m| (n - 1)``, ``n = target - last_sync`` the window the coordinate will have at ``target``."""
-    return m.abs() * (target - 1 - last_sync).double()
+def max_window(chunk: int, density: float, setting: int = 0) -> int:
+    """The longest window before a coordinate is overdue: ``setting``, or (0) eight mean windows of a
+    row of ``chunk`` at ``density``, ``8 * ceil(chunk / k)``."""
+    return setting or 8 * math.ceil(chunk / topk_count(chunk, density))
+
+
+def age_momentum_score(m: Tensor, last_sync: Tensor, target: int, limit: int | None = None) -> Tensor:
+    """``|m| (n - 1)``, ``n = target - last_sync`` the window the coordinate will have at ``target``; a
+    window past ``limit`` ranks above every other, the longest first (whatever ``m``)."""
+    n = (target - last_sync).double()
+    score = m.abs().double() * (n - 1)
+    if limit is None:
+        return score
+    return torch.where(n > limit, 2.0 ** 200 * (n - limit), score)
 
 
 def momentum_residual_score(m: Tensor, residual: Tensor, beta1: float) -> Tensor:

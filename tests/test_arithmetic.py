@@ -250,7 +250,8 @@ def test_masks_are_the_picks_of_the_contract_score(runs, case):
             if cfg.resolved_score == "age_momentum":
                 last = state["last_sync"].get(group.name)
                 last = torch.full_like(m, source, dtype=torch.int64) if last is None else last[part]
-                score = reference.age_momentum_score(m, last, target)
+                limit = reference.max_window(cfg.chunk_size, density, cfg.max_window)
+                score = reference.age_momentum_score(m, last, target, limit)
             else:
                 score = reference.momentum_residual_score(m, state["residual"][group.name][part], BETAS[0])
             picked = _inside(mask[group.name], group.start, group.size)

@@ -184,8 +184,12 @@ def _fused_case(numels: list[int], chunk: int, density: float, seed: int, flushe
     windows = torch.randint(0, 6, (layout.rows, chunk), generator=g).float()
     exclude = Mask(density, select_groups(torch.rand(layout.rows, chunk, generator=g), layout, shape),
                    groups=True) if flushed else None
-    want = Mask(density, select_groups(age_momentum_score(m, windows, 7), layout, shape, exclude))
+    # windows of 1 to 7 steps at target 7; past 4 (FUSED_MAX_WINDOW) a coordinate is overdue
+    want = Mask(density, select_groups(age_momentum_score(m, windows, 7, FUSED_MAX_WINDOW), layout, shape, exclude))
     return layout, shape, m, windows, exclude, want
+
+
+FUSED_MAX_WINDOW = 4
 
 
 @settings(max_examples=60, deadline=None)
@@ -195,13 +199,13 @@ def test_the_fused_pick_chooses_the_groups_columns_and_entries(numels, chunk, de
     the exclusion of a groups mask of the same density and each group's best in one function give
     :func:`select_groups`'s columns and the mask's entries, also for a partition of the rows."""
     layout, shape, m, windows, exclude, want = _fused_case(numels, chunk, density, seed, flushed, ties)
-    before = torch.tensor(6.0)  # target 7
+    before, due = torch.tensor(6.0), torch.tensor(7.0 - FUSED_MAX_WINDOW)  # target 7
     rows = slice(min(cut, layout.rows - 1), layout.rows)
     excluded = None if exclude is None else exclude.cols[rows]
     entry_rows = (layout.full_rows, layout.partial_rows, shape.partial_index) if rows.start == 0 else None
     short = shape.short_rows(rows.start, rows.stop)
-    cols, entries = pick_pass(m[rows], windows[rows], before, excluded, shape.k, short, shape.widest, entry_rows,
-                              layout.index_dtype)
+    cols, entries = pick_pass(m[rows], windows[rows], before, due, excluded, shape.k, short, shape.widest,
+                              entry_rows, layout.index_dtype)
     assert torch.equal(cols, want.cols[rows]) and cols.dtype == torch.int16
     if rows.start == 0:
         assert entries.dtype == torch.int32 and torch.equal(entries.long(), want.flat(layout))
@@ -216,8 +220,8 @@ def test_the_compiled_pick_is_the_same_as_the_eager_one():
     for numels, chunk, density in (([3 * 4096 + 5, 300, 17], 4096, 0.0753), ([500, 64, 3], 64, 0.25)):
         for flushed in (True, False):
             layout, shape, m, windows, exclude, want = _fused_case(numels, chunk, density, 0, flushed, ties=True)
-            cols, entries = kernels.pick(m, windows, 7, None if exclude is None else exclude.cols, layout, shape,
-                                         slice(0, layout.rows), entries=True)
+            cols, entries = kernels.pick(m, windows, 7, FUSED_MAX_WINDOW, None if exclude is None else exclude.cols,
+                                         layout, shape, slice(0, layout.rows), entries=True)
             assert torch.equal(cols, want.cols) and torch.equal(entries.long(), want.flat(layout))
     assert kernels.built == ("pick",)
 
