@@ -28,6 +28,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed import distributed_c10d
 
+from scape_core import inflight
 from scape_core.guard import refuse_adam_with_scape_state
 from scape_core.masks import Mask
 
@@ -87,7 +88,7 @@ def gather_state_dict(state: "ScapeState") -> dict[str, Any]:
         own["windows"] = {n: state.layout.view(whole, n).cpu().clone() for n in state.params}
     if state.residual_buffer is not None:
         out = [torch.empty_like(state.residual_buffer) for _ in range(state.world_size)]
-        dist.all_gather(out, state.residual_buffer.contiguous(), group=state.process_group)
+        inflight.collective(dist.all_gather, out, state.residual_buffer.contiguous(), group=state.process_group)
         residuals = [{n: state.layout.view(r, n).cpu().clone() for n in state.params} for r in out]
     else:
         residuals = [{} for _ in range(state.world_size)]
@@ -190,7 +191,7 @@ def save_checkpoint(path: str | os.PathLike, state: "ScapeState", *, arrival_tim
         tmp = path.with_name(path.name + ".tmp")
         torch.save(payload, tmp)
         os.replace(tmp, path)
-    dist.barrier(group=state.process_group)
+    inflight.collective(dist.barrier, group=state.process_group)
 
 
 def unwritable(path: str | os.PathLike) -> str | None:

@@ -40,7 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from scape_core import exchange
+from scape_core import exchange, inflight
 from scape_core.buckets import BucketPlan, StepRecord
 from scape_core.config import ScapeConfig
 from scape_core.masks import Mask
@@ -169,7 +169,7 @@ class ScapeFSDPState(ScapeStateBase):
                              dist.get_rank(self.shard_group) if self.shard_group is not None else 0],
                             device=self.layout.device)  # where the backend (NCCL) wants it
         every = [torch.zeros_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(every, mine, group=self.process_group)
+        inflight.collective(dist.all_gather, every, mine, group=self.process_group)
         if any(not torch.equal(e, mine) for e in every):
             raise ValueError("replicate_group's ranks hold different shards (rows, coordinates, shard rank per "
                              f"rank: {[e.tolist() for e in every]}): pass the group of the ranks with the same "
@@ -191,7 +191,7 @@ class ScapeFSDPState(ScapeStateBase):
         mask = self.current_mask()
         if mask is None:  # HSDP: sum over the replicas, divided by their number
             self.count(output.numel(), dense_bytes, dense_bytes)
-            dist.all_reduce(output, group=self.process_group)
+            inflight.collective(dist.all_reduce, output, group=self.process_group)
             exchange.finish_dense(self.record, output.div_(self.world_size))
             return
         if not self.sparse_started:
@@ -213,7 +213,7 @@ class ScapeFSDPState(ScapeStateBase):
         """One 1-byte flag across the shard group (intra-node): every shard of the replica skips together."""
         bad = skip.to(torch.uint8).view(1)
         if self.shard_group is not None and dist.get_world_size(self.shard_group) > 1:
-            dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=self.shard_group)
+            inflight.collective(dist.all_reduce, bad, op=dist.ReduceOp.MAX, group=self.shard_group)
         return bad[0] > 0
 
     # ----- checkpoints --------------------------------------------------------------------

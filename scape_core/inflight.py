@@ -16,6 +16,13 @@ torch 2.13: 11 of 20 two-rank runs of a 4-step script). So:
   included (``Work.wait()`` returns after them), and the remaining references are kept for
   good, so gloo's thread never frees one while the interpreter shuts down.
 
+A blocking collective (``async_op=False``) is exposed the same way: torch drops its work as soon as it
+is waited for, so gloo's thread, a moment behind, frees it and its tensors' Python objects. At a
+teardown inside a destructor that holds the GIL (a DDP model freed after ``destroy_process_group()``:
+its Reducer holds the last reference to the process group, whose destructor joins gloo's threads) that
+thread waits for the GIL forever. So every collective SCAPE starts, blocking ones included, goes
+through :func:`hold` (blocking ones through :func:`collective`).
+
 Collectives SCAPE does not start have the same exposure: transformers' ``Trainer`` ends ``train()``
 with a ``dist.all_gather`` of Python tensors (``store_flos``), and a worker ("pt_gloo_runloop")
 preempted under load frees that work, and the tensors' Python objects, after the script has
@@ -32,6 +39,7 @@ import os
 import threading
 import time
 import warnings
+from typing import Any, Callable
 
 import torch.distributed as dist
 
@@ -45,6 +53,19 @@ def hold(work: dist.Work) -> dist.Work:
     _FINISHED[:] = [w for w, d in zip(_PENDING, done) if d]
     _PENDING[:] = [w for w, d in zip(_PENDING, done) if not d] + [work]
     return work
+
+
+def collective(start: Callable[..., dist.Work], *args: Any, **kwargs: Any) -> None:
+    """Run ``start(*args, async_op=True, **kwargs)`` (a ``torch.distributed`` collective) to completion, its
+    work held (:func:`hold`): SCAPE's blocking collectives, freed by Python, never by gloo's thread.
+
+    Example:
+        >>> out = [torch.zeros(2) for _ in range(dist.get_world_size())]
+        >>> collective(dist.all_gather, out, torch.ones(2))
+        >>> out
+        [tensor([1., 1.])]
+    """
+    hold(start(*args, async_op=True, **kwargs)).wait()
 
 
 def finish_all() -> None:

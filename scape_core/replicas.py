@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from scape_core import inflight
 from scape_core.compat import all_gather_into_tensor
 
 if TYPE_CHECKING:
@@ -103,7 +104,7 @@ class ReplicaGuard:
         what.append("the optimizer step count")  # ranks that loaded different checkpoints
         mine = torch.cat([mine, torch.full_like(mine[:1], state.step)])
         every = mine.new_empty(state.world_size * mine.numel())
-        all_gather_into_tensor(every, mine.view(-1), group=state.process_group)
+        inflight.collective(all_gather_into_tensor, every, mine.view(-1), group=state.process_group)
         every = every.view(state.world_size, *mine.shape).cpu()
         differ = (every != every[0]).any(0)  # (buffers, parameters)
         if not bool(differ.any()):

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from scape_core import inflight
 from scape_core.compat import all_gather_into_tensor
 from scape_core.layout import FlatLayout, Shard
 from scape_core.masks import Mask
@@ -85,7 +86,7 @@ class ShardExchange:
         plan = self.plan(density)
         send = torch.nn.functional.pad(own, (0, plan.most - own.numel()))
         out = send.new_empty(self.world_size * plan.most)
-        all_gather_into_tensor(out, send, group=self.process_group)
+        inflight.collective(all_gather_into_tensor, out, send, group=self.process_group)
         self._count(send)
         return out.index_select(0, plan.order)
 
@@ -109,7 +110,7 @@ class ShardExchange:
         if buffer.shape[0] != block:
             buffer = torch.cat([buffer, buffer.new_zeros(block - buffer.shape[0], chunk)])
         out = buffer.new_empty(self.world_size * block, chunk)
-        all_gather_into_tensor(out, buffer.contiguous(), group=self.process_group)
+        inflight.collective(all_gather_into_tensor, out, buffer.contiguous(), group=self.process_group)
         return out[:self.layout.rows]
 
     def _count(self, sent: Tensor) -> None:

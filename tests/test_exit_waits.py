@@ -94,3 +94,33 @@ def test_where_proc_cannot_tell_the_exit_still_waits_its_quiet_intervals(monkeyp
     slept.clear()
     inflight.quiesce_threads(quiet_checks=5)
     assert slept == [0.01] * 5
+
+
+COLLECTIVES = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single", "barrier", "broadcast",
+               "all_to_all_single", "reduce_scatter_tensor", "gather", "scatter", "reduce"}
+
+
+def test_every_collective_scape_starts_is_held():
+    """Every collective in ``scape_core`` is started inside ``inflight.hold(...)`` or handed to
+    ``inflight.collective`` (never called blocking): a blocking collective's work is freed by gloo's thread,
+    which waits forever for the GIL at a teardown inside a destructor that holds it (the 4-rank teardown
+    deadlock of docs/reliability.md; ``tests/scripts/teardown_stress.py``). Read from the source."""
+    import ast
+
+    loose = []
+    for path in sorted((ROOT / "scape_core").glob("*.py")):
+        tree = ast.parse(path.read_text())
+        held = set()
+        for node in ast.walk(tree):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "hold"
+                    and node.args):
+                held.add(id(node.args[0]))
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call) or id(node) in held:
+                continue
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            base = node.func.value.id if isinstance(node.func, ast.Attribute) and isinstance(
+                node.func.value, ast.Name) else None
+            if name in COLLECTIVES and (base == "dist" or (base is None and name == "all_gather_into_tensor")):
+                loose.append(f"{path.name}:{node.lineno} {name}")
+    assert not loose, loose
