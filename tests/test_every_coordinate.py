@@ -123,3 +123,10 @@ def test_late_tokens_train_and_no_warmup_moves_every_coordinate():
     assert late["longest_wait"] <= 112 + math.ceil(4096 / 309)  # the bound at the target density
     cold = coverage.measure("no-warmup", dict(replica_check_every=10), sparse_steps=200)
     assert cold["moved_with_gradient"] >= 0.95 * cold["with_gradient"]  # 50% without the limit
+
+
+def test_a_checkpoint_from_before_the_limit_resumes():
+    """A saved config without ``max_window`` (older checkpoints) passes the resume check."""
+    old = {k: v for k, v in ScapeConfig().to_dict().items() if k != "max_window"}
+    ScapeConfig().check_resume(old, step=0, masks=[])
+    ScapeConfig(max_window=30).check_resume(ScapeConfig().to_dict(), step=0, masks=[])  # any value resumes
