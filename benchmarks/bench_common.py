@@ -203,7 +203,7 @@ class Progress:
 
     Example::
 
-        progress = Progress("slow link", 540, lambda: "round 2 of 6")
+        progress = Progress("slow link", 540, lambda: "batch 1, SCAPE 99%")
         while running():
             progress.tick()
             time.sleep(0.2)

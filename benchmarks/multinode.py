@@ -330,7 +330,7 @@ def node_kill(nodes: TwoNodes, workdir: Path, whole_node: bool = False, keep_buc
     replacement (the same command) starts on it, as a cluster scheduler would. ``keep_buckets``:
     the model's DDP keeps its first bucket layout (``--find-unused-parameters``); otherwise DDP
     rebuilds it after the restarted workers' first step, which SCAPE's sparse steps no longer
-    depend on (issue 21; docs/reliability.md).
+    depend on (docs/reliability.md).
     """
     args = ("--steps", str(steps), "--step-seconds", str(step_seconds),
             *(["--find-unused-parameters"] if keep_buckets else []))

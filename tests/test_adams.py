@@ -140,7 +140,7 @@ def _steps(opt: AdamS, model: torch.nn.Module) -> None:
 
 
 def test_compiled_adams_keys_a_copy_per_group_shapes(monkeypatch):
-    """Issue 35, case 9: one compiled copy per set of shapes (dynamo keeps 8 graphs per copy), not one for
+    """One compiled copy per set of shapes (dynamo keeps 8 graphs per copy), not one for
     all groups; here without compiling (each copy is the eager pass), the compile itself in the slow twin."""
     import scape_core.kernels as kernels
     made = []

@@ -1,4 +1,4 @@
-"""Issue 25's cases: damaged checkpoints, long skip streaks, world size 1, and the resume checks
+"""Damaged checkpoints, long skip streaks, world size 1, and the resume checks
 (another rank's state, another chunk_size, an in-place reload). 2 gloo processes on CPU, one
 launch for the core's cases (see docs/reliability.md, "Damage, streaks, one process")."""
 

@@ -49,7 +49,7 @@ def test_results_say_what_was_measured_not_goals():
                        "crossed the interface)"
     assert lines[1] == ("- slow/1 (default batch): SCAPE 99%'s step is 3.33x faster than dense DDP + AdamW's; it takes "
                         "1.20x the step without communication; PowerSGD rank 4 takes 1.25x its time")
-    assert not any("MET" in line for line in lines)  # results, not the project's internal targets (issue 45)
+    assert not any("MET" in line for line in lines)  # results, not the project's internal targets
 
 
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("tc"),
@@ -125,12 +125,12 @@ def test_launch_prints_progress_and_times_out_in_one_line(tmp_path, monkeypatch,
 
     monkeypatch.setattr(bench_common, "PROGRESS_EVERY", 0.3)
     status = tmp_path / "status.txt"
-    bench_common.report_status(status, "per-rank batch 1, round 2 of 6: SCAPE 99%")
+    bench_common.report_status(status, "per-rank batch 1, pass 2: SCAPE 99%")
     with pytest.raises(TimeoutError) as e:
         bench_common.launch(["-c", "import time; time.sleep(60)"], 1, timeout=1.5, status=status, label="slow link")
     assert str(e.value) == "slow link did not finish within the 1.5 s limit; rank 0 was at: per-rank batch 1, " \
-                           "round 2 of 6: SCAPE 99%"
-    assert "s of 1.5 s] slow link: per-rank batch 1, round 2 of 6: SCAPE 99%" in capsys.readouterr().out
+                           "pass 2: SCAPE 99%"
+    assert "s of 1.5 s] slow link: per-rank batch 1, pass 2: SCAPE 99%" in capsys.readouterr().out
 
 
 def test_a_stopped_run_reports_the_rounds_every_method_finished():

@@ -1,5 +1,5 @@
 """tests/dist.py's multi-process runner: no fixed limit for a run that is working (a loaded machine
-is slow, not hung), but a hang fails fast, naming it (issue 35, case 10)."""
+is slow, not hung), but a hang fails fast, naming it."""
 
 from __future__ import annotations
 

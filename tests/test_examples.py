@@ -182,7 +182,7 @@ def test_the_examples_share_their_options_and_defaults(monkeypatch, tmp_path):
 
 
 def test_under_the_launcher_an_example_keeps_its_own_defaults(monkeypatch, tmp_path, capsys):
-    """What `accelerate-scape launch` hands the processes (issue 34): the settings set (a flag, SCAPE_*,
+    """What `accelerate-scape launch` hands the processes: the settings set (a flag, SCAPE_*,
     scape_config.yaml), not the defaults, so the example's own apply; on a machine without GPUs,
     ACCELERATE_USE_CPU=1 for --multi_gpu (said), so that the processes train together."""
     import argparse
@@ -277,7 +277,7 @@ def test_accelerate_gpt_end_to_end_with_baseline(tmp_path):
 @needs_data
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the launch on a machine without GPUs")
 def test_accelerate_gpt_under_the_launcher_keeps_its_own_defaults(tmp_path):
-    """No SCAPE setting anywhere and no ACCELERATE_USE_CPU (issue 34): the launcher exports nothing and joins the 2
+    """No SCAPE setting anywhere and no ACCELERATE_USE_CPU: the launcher exports nothing and joins the 2
     CPU processes, saying so; the example trains with its own 0.99 / 30 / 90, as its start-of-run line, its
     warning (2 steps end in the warm-up) and its summary show."""
     from tests.dist import free_port

@@ -1,4 +1,4 @@
-"""Accelerate 1.15 with SCAPE's FSDP2 path (issue 22), 4 gloo processes on CPU as 2 replicas x 2 shards.
+"""Accelerate 1.15 with SCAPE's FSDP2 path, 4 gloo processes on CPU as 2 replicas x 2 shards.
 
 What works: the model and optimizer from ``scape_fsdp`` stay outside ``accelerator.prepare`` (Accelerate
 prepares the data loaders, runs ``backward``, logs); the run is bit-identical to the same loop by hand.

@@ -1,4 +1,4 @@
-"""The hook under contention (issue 25): gloo with 8 worker threads, one DDP bucket per layer (12),
+"""The hook under contention: gloo with 8 worker threads, one DDP bucket per layer (12),
 every completion callback and every sparse finish slowed (a sleep that lets other threads run) so
 that they interleave with the backward, many steps with skips, repeated.
 

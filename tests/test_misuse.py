@@ -1,4 +1,4 @@
-"""Misuse round four (issue 43): each case gives the correct result or an error naming the cause and the fix."""
+"""Misuse through each way in: each case gives the correct result or an error naming the cause and the fix."""
 
 from __future__ import annotations
 

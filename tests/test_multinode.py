@@ -79,7 +79,7 @@ def test_torchrun_two_nodes_keeps_replicas_identical(nodes, tmp_path):
 @pytest.mark.parametrize("whole_node,keep_buckets", [(False, True), (True, True), (False, False)],
                          ids=["ranks", "whole-node", "ddp-rebuilds-buckets"])
 def test_node_killed_resumes_bit_identical(nodes, tmp_path, whole_node, keep_buckets):
-    # keep_buckets=False: DDP regroups its buckets after the restarted workers' first step (issue 21)
+    # keep_buckets=False: DDP regroups its buckets after the restarted workers' first step
     result = multinode.node_kill(nodes, tmp_path, whole_node=whole_node, keep_buckets=keep_buckets)
     assert result["returncodes"] == [0, 0], result
     assert result["killed"] >= 2 and len(result["resumed_at"]) == 1 and 10 <= result["resumed_at"][0] < 40

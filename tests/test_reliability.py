@@ -288,7 +288,7 @@ def test_long_run_replicas_identical_and_memory_flat():
 
 
 # ----------------------------------------------------------------------------------------
-# What users get wrong (issue 13): one launch for every multi-process case, read by the tests below.
+# What users get wrong: one launch for every multi-process case, read by the tests below.
 def _unsynchronized_steps(rank) -> dict[str, str]:
     """Four ways gradients reach ScapeAdamS.step() without scape_hook, and no_sync-only accumulation."""
     out = {}
@@ -413,7 +413,7 @@ MAX_NORM = 0.05  # below every sparse step's gradient norm in _clipping: the cli
 def _clipping(rank):
     """``clip_grad_norm_`` between backward and step, with DDP's default ``gradient_as_bucket_view=False``
     (``p.grad`` is a copy of the bucket, clipped there) and with bucket views; and a run clipped on the dense
-    steps only: the sparse steps' update must read the clipped ``p.grad`` (issue 35, case 4)."""
+    steps only: the sparse steps' update must read the clipped ``p.grad``."""
     out = {}
     for name, view, clip_sparse in (("view", True, True), ("copy", False, True), ("copy_dense_only", False, False)):
         model = make_model()
@@ -431,7 +431,7 @@ def _clipping(rank):
 
 
 def _save_into_a_missing_folder(rank, tmp):
-    """Every rank gets rank 0's error before any collective, and the run trains on (issue 35, case 7)."""
+    """Every rank gets rank 0's error before any collective, and the run trains on."""
     model = make_model()
     ddp, state, opt = scape_setup(model, 0.9)
     train(ddp, opt, rank, 2)
@@ -458,7 +458,7 @@ def _save_on_rank0_only(rank, tmp):
 
 
 def _counted_steps(rank):
-    """A plain DDP loop (issue 34): the start-of-run line at the first step, each step's compression beside the
+    """A plain DDP loop: the start-of-run line at the first step, each step's compression beside the
     run's, and a step interrupted between backward and ``opt.step()`` (an error in the loop) left uncounted."""
     model = make_model()
     with said() as heard:

@@ -1,4 +1,4 @@
-"""Exact resume with the defaults (issue 21): a checkpoint loaded into fresh processes, a fresh
+"""Exact resume with the defaults: a checkpoint loaded into fresh processes, a fresh
 process group and a fresh DDP continues bit-for-bit like the run that never stopped, at 2 and 4
 ranks, on the default wire at 99% (int4) and at 90% (native). DDP rebuilds its buckets after
 each process's first iteration, so the resumed run's first sparse step travels in other buckets

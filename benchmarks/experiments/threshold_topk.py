@@ -1,6 +1,6 @@
 """A negative result, kept runnable: an exact per-row top-k through a sampled threshold, on the CPU.
 
-Issue 20 asked for a cheaper exact selection where ``torch.topk`` is slow. The route tried here:
+Wanted: a cheaper exact selection where ``torch.topk`` is slow. The route tried here:
 take a fixed sample of each row's columns, its ``j``-th largest key as a threshold ``t`` (``j``
 chosen so that ``t`` is below the row's true k-th key with high probability), keep the keys
 ``>= t`` as candidates, compact them into a fixed ``(rows, cap)`` buffer, and take the top-k of
