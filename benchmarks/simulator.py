@@ -217,7 +217,7 @@ class SimulatedScape:
     def _replicated_score(self, target: int, shape: MaskShape) -> Tensor:
         m = self.m
         if self.score == "age_momentum":
-            return age_momentum_score(m, self.windows, target, self.window_limit(shape))
+            return age_momentum_score(m, self.windows, target, self.config.window_limit(self.layout.chunk, shape.k))
         if self.score == "momentum" or self.windows is None:
             return m.abs()
         age = self.windows.float().neg_().add_(target - 1)  # n - 1 at the step the mask is for
