@@ -69,7 +69,9 @@ class ScapeTrainerMixin:
     training log (every ``logging_steps``) carries ``scape/compression``, ``scape/bytes_sent``,
     ``scape/dense_bytes``, ``scape/skipped_steps`` (rank 0's, since the run began),
     ``scape/step_compression`` (the last step's) and ``scape/skipped_streak`` (consecutive skipped
-    steps now), so they reach ``report_to`` and ``trainer.state.log_history``.
+    steps now), ``scape/step_seconds_dense`` and ``scape/step_seconds_sparse`` (the median step times,
+    0 until measured), so they reach ``report_to`` and ``trainer.state.log_history``. At the end of
+    ``train`` rank 0 logs one line on whether SCAPE paid (``ScapeState.summary``).
 
     DDP: ``ddp_find_unused_parameters`` left at ``None`` becomes ``False`` (the Trainer's own default
     is ``True`` for a ``PreTrainedModel``, which makes DDP search the graph every step and warn that
@@ -137,6 +139,11 @@ class ScapeTrainerMixin:
                 os.makedirs(output_dir, exist_ok=True)
                 torch.save(full, os.path.join(output_dir, SCAPE_STATE_NAME))
         super()._save_optimizer_and_scheduler(output_dir)
+
+    def train(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().train(*args, **kwargs)  # type: ignore[misc]
+        self.scape.log_summary()  # rank 0: whether SCAPE paid (sparse steps against the dense warm-up)
+        return output
 
     def log(self, logs: dict[str, float], *args: Any, **kwargs: Any) -> None:
         if self.scape.active and "loss" in logs:  # the training logs, not evaluation or the final metrics

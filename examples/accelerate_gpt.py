@@ -97,6 +97,7 @@ def train(args: argparse.Namespace, accelerator: Accelerator) -> dict:
             bar.set_postfix(loss=f"{loss.item():.3f}", val_loss=f"{val_loss:.3f}",
                             compression=f"{stats.get('compression', 1.0):.1f}x")
     bar.close()
+    scape.log_summary()  # the main process: whether SCAPE paid (its sparse steps against its dense warm-up)
     if not accelerator.is_main_process:
         return {}
     return report(args, how="with Accelerate", model=unwrapped, source=corpus.source, device=accelerator.device.type,

@@ -82,6 +82,7 @@ def train(args: argparse.Namespace, device: torch.device) -> dict:
             if rank == 0:
                 print(f"step {step:5d}  train loss {loss.item():.3f}  val loss {val_loss:.3f}  "
                       f"compression so far {stats['compression']:.1f}x", flush=True)
+    state.log_summary()  # rank 0: whether SCAPE paid (its sparse steps against its dense warm-up)
 
     result = {}
     if rank == 0:

@@ -72,8 +72,8 @@ def progress_bar_text(stats: dict[str, float]) -> dict[str, str]:
 
 class ScapeBase:
     """What every SCAPE strategy does with its state, DDP's and FSDP2's (:mod:`lightning_scape.fsdp`):
-    the optimizer converted in place, the stats logged after a step, the start-of-run line, the
-    collectives finished at teardown."""
+    the optimizer converted in place, the stats logged after a step, the start-of-run line, the line
+    on whether SCAPE paid at the end of ``fit``, the collectives finished at teardown."""
 
     scape_config: ScapeConfig
     scape_state: Any
@@ -96,6 +96,11 @@ class ScapeBase:
         module.log_dict(scape_metrics(stats), on_step=True, on_epoch=False)
         # the bar takes text as it is (self.log takes numbers only, which bars print as 1753920.000)
         module.trainer.progress_bar_metrics.update(progress_bar_text(stats))
+
+    def on_train_end(self) -> None:
+        super().on_train_end()  # type: ignore[misc]
+        if self.scape_state is not None:  # rank 0: sparse steps against the dense warm-up, bytes against dense
+            self.scape_state.log_summary()
 
     def teardown(self) -> None:
         if self.scape_state is not None:

@@ -30,10 +30,13 @@ class ScapeStrategy(TrainerStrategyMixin, DDPStrategy):
     refused first, naming its damaged entry), and logs
     ``scape/bytes_sent``, ``scape/dense_bytes``, ``scape/compression`` and ``scape/skipped_steps``
     (cumulative, this rank), ``scape/step_compression`` (the last step's) and ``scape/skipped_streak``
-    (consecutive skipped steps now) to the loggers; the progress bar shows ``scape/compression`` as
-    ``9.0x`` and ``scape/sent`` in MB. ``accumulate_grad_batches`` and ``gradient_clip_val`` work as usual;
-    precision ``32-true``, ``bf16-mixed`` and ``bf16-true`` are supported, ``16-mixed`` is refused
-    (its loss scaler skips optimizer steps). One optimizer only.
+    (consecutive skipped steps now), ``scape/step_seconds_dense`` and ``scape/step_seconds_sparse`` (the
+    median step times, 0 until measured) to the loggers; the progress bar shows ``scape/compression`` as
+    ``9.0x`` and ``scape/sent`` in MB. At the end of ``fit`` rank 0 logs one line on whether SCAPE paid:
+    the sparse steps' time against the dense warm-up's (``ScapeState.summary``).
+    ``accumulate_grad_batches`` and ``gradient_clip_val`` work as usual; precision ``32-true``,
+    ``bf16-mixed`` and ``bf16-true`` are supported, ``16-mixed`` is refused (its loss scaler skips
+    optimizer steps). One optimizer only.
 
     Args:
         config: a :class:`scape_core.ScapeConfig`; keyword fields below override it.

@@ -25,6 +25,7 @@ from scape_core.replicas import ReplicaGuard
 from scape_core.schedule import MaskSchedule
 from scape_core.selection import MaskSelector
 from scape_core.sharding import ShardExchange
+from scape_core.step_times import StepTimes, summary_line
 from scape_core.streak import STREAK_CHECK_EVERY, SkipStreak
 
 SINGLE_PROCESS = ("SCAPE: world size 1, nothing to communicate: SCAPE is inactive as a saving (stats() reports 0 "
@@ -36,7 +37,8 @@ SINGLE_PROCESS = ("SCAPE: world size 1, nothing to communicate: SCAPE is inactiv
 PADDED_LAYOUT = 2.0  # the start of a run warns when the flat layout is this many times the parameters...
 PADDED_VALUES = 2**20  # ...and its padding this many values (4 MiB a buffer) or more
 # what adapters log
-LOGGED = ("bytes_sent", "dense_bytes", "compression", "step_compression", "skipped_steps", "skipped_streak")
+LOGGED = ("bytes_sent", "dense_bytes", "compression", "step_compression", "skipped_steps", "skipped_streak",
+          "step_seconds_dense", "step_seconds_sparse")
 log = logging.getLogger("scape_core")  # the start-of-run line (ScapeStateBase.announce)
 log.setLevel(logging.INFO)
 if not logging.getLogger().hasHandlers():  # as Lightning's logger: shown (stderr) without any logging setup
@@ -61,10 +63,11 @@ def scape_metrics(stats: dict[str, float]) -> dict[str, float]:
     on this rank since the run began, but ``step_compression``, the last step's).
 
     Example:
-        >>> scape_metrics(dict(bytes_sent=8, dense_bytes=80, compression=10.0, step_compression=99.0,
-        ...                    skipped_steps=0, skipped_streak=0))
-        {'scape/bytes_sent': 8.0, 'scape/dense_bytes': 80.0, 'scape/compression': 10.0, 'scape/step_compression': \
-99.0, 'scape/skipped_steps': 0.0, 'scape/skipped_streak': 0.0}
+        >>> metrics = scape_metrics(dict(bytes_sent=8, dense_bytes=80, compression=10.0, step_compression=99.0,
+        ...                              skipped_steps=0, skipped_streak=0, step_seconds_dense=0.5,
+        ...                              step_seconds_sparse=0.25))
+        >>> metrics["scape/compression"], metrics["scape/step_seconds_sparse"]
+        (10.0, 0.25)
     """
     return {f"scape/{name}": float(stats[name]) for name in LOGGED}
 
@@ -107,6 +110,7 @@ class ScapeStateBase:
     max_steps: int | None  # the run's optimizer steps, if known (the start-of-run line's warning)
     announced: bool  # the start-of-run line was said (announce)
     last_step_bytes: tuple[int, int]  # stats()'s step_compression
+    step_times: StepTimes  # stats()'s step_seconds_dense and step_seconds_sparse
 
     def _configure(self, sparsity: float | None, config: ScapeConfig | None, fields: dict[str, Any],
                    max_steps: int | None = None) -> None:
@@ -144,6 +148,7 @@ class ScapeStateBase:
                                self.config.wire_block, dtype=dtype)
         self.record = self.new_record()
         self.last_step_bytes = (0, 0)  # (bytes sent, dense bytes) of the last completed step
+        self.step_times = StepTimes(self.config)  # the wall time of dense and sparse steps, on the host
         self._counted_before = (0, 0)  # bytes_sent and dense_bytes when that step began
         self.step = 0  # optimizer steps taken (skipped ones included)
         self._sparse = False
@@ -244,6 +249,7 @@ class ScapeStateBase:
         self.skipped.fill_(int(skipped))
         self.counters.update(counters)
         self.last_step_bytes, self._counted_before = (0, 0), (self.counters["bytes_sent"], self.counters["dense_bytes"])
+        self.step_times.restart()  # the time until the next step is the load's, not a step's
 
     def count(self, values: int, nbytes: int, dense_bytes: int) -> None:
         """Add a hook's collective (its values and bytes, and the bytes dense DDP would have sent) to the
@@ -363,6 +369,7 @@ class ScapeStateBase:
             self.streak.poll()
         if self.guard.due(self.step):
             self.guard.check(self)
+        self.step_times.tick(done)  # on the host, where the step already waits: no device synchronization
 
     def drop_step(self) -> None:
         """The backward's synchronized step is not taken (``ScapeAdamS.zero_grad()`` without ``step()``,
@@ -375,6 +382,7 @@ class ScapeStateBase:
                                     torch.zeros((), dtype=torch.bool, device=self.layout.device))
         self.stepped()
         self.record = self.new_record()
+        self.step_times.restart()  # the next step's time holds two backwards
 
     def stepped(self) -> None:
         """The optimizer has written this step into the regions (before the record is replaced)."""
@@ -400,7 +408,10 @@ class ScapeStateBase:
         values/bytes sent, dense bytes, ``compression`` (dense bytes / bytes sent, since the run began),
         ``step_compression`` (the same for the last step alone: about ``1 / (1 - sparsity)`` on a
         sparse step at the target density), skipped steps and the current streak of consecutive skipped
-        steps (``skipped_streak``). ``shard_optimizer`` adds the all-gathers of the owners' rows to
+        steps (``skipped_streak``), and ``step_seconds_dense`` and ``step_seconds_sparse``: the median wall
+        time from one optimizer step to the next over the dense warm-up and over the sparse steps at the
+        target density, each phase's first few steps and the ramp left out (:mod:`scape_core.step_times`;
+        0.0 until measured; on the host's clock). ``shard_optimizer`` adds the all-gathers of the owners' rows to
         ``bytes_sent`` (``shard_bytes``), so compression can fall below 1 on a small model. Reads the
         device: call it between steps, not inside one; it also warns of a long streak (:meth:`check_streak`).
         At world size 1 nothing travels: every byte counter is 0 and both compressions 1.0.
@@ -414,8 +425,28 @@ class ScapeStateBase:
         c["skipped_streak"] = self.streak.current()
         c["compression"] = c["dense_bytes"] / c["bytes_sent"] if c["bytes_sent"] else 1.0
         c["step_compression"] = dense / sent if sent else 1.0
+        c["step_seconds_dense"] = self.step_times.median("dense")
+        c["step_seconds_sparse"] = self.step_times.median("sparse")
         self.check_streak()
         return c
+
+    def summary(self) -> str:
+        """One line on whether SCAPE paid in this run so far, from :meth:`stats` (this rank's): the sparse
+        steps' time against the dense warm-up's, the bytes sent against dense DDP's, and, where the
+        sparse steps are not faster, the settings that would help (:func:`~scape_core.step_times.summary_line`).
+
+        Example:
+            >>> state.summary()  # doctest: +SKIP
+            'SCAPE: sparse steps 0.41 s against 1.20 s for the dense warm-up: 2.9x faster; 308 MB sent instead of ...'
+        """
+        return summary_line(self.stats(), self.config, self.world_size)
+
+    def log_summary(self) -> None:
+        """Say :meth:`summary` on global rank 0 (the ``scape_core`` logger, as the start-of-run line); the
+        adapters call it at the end of training. Reads the device: call it between steps."""
+        if dist.is_initialized() and dist.get_rank() != 0:
+            return
+        log.info(self.summary())
 
     def check_streak(self) -> None:
         """Warn (rank 0, once per streak) of ``config.skip_streak_warning`` consecutive skipped steps;

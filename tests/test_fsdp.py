@@ -1,4 +1,4 @@
-"""SCAPE across the replicate dimension of FSDP2 (issue 22): 4 gloo processes as 2 replicas x 2 shards,
+"""SCAPE across the replicate dimension of FSDP2: 4 gloo processes as 2 replicas x 2 shards,
 the tiny transformer, on CPU. Dense SCAPE matches stock 2-D HSDP + AdamS; at 99% replicas stay
 bit-identical, a sparse step hands the replicate group about 1% of HSDP's bytes and follows the
 contract's arithmetic on each shard; a non-finite gradient on one replica skips the step everywhere."""
@@ -317,7 +317,7 @@ POISONED = {9: float("inf"), 10: float("nan")}  # sparse steps: one coordinate o
 def _poison_one_coordinate(state, mesh, bad_rank: int) -> None:
     """At each step of :data:`POISONED`, rank ``bad_rank``'s reduce-scattered gradient (its shard's, before
     SCAPE) gets the value at one coordinate of the first group's first parameter, off the step's mask: the
-    exchanged values stay finite, only the region's own check can see it (issue 35, cases 6 and 8)."""
+    exchanged values stay finite, only the region's own check can see it."""
     shards = dist.get_world_size(mesh.get_group("shard"))
 
     def hook(output, g):
@@ -413,7 +413,7 @@ def _refusals(rank: int, world: int) -> dict:
 
 
 def _one_replica(mesh) -> dict:
-    """A (1, 4) mesh trains, warns once (rank 0) and reports no bytes, as DDP at world size 1 (issue 35, case 4)."""
+    """A (1, 4) mesh trains, warns once (rank 0) and reports no bytes, as DDP at world size 1."""
     with said() as heard:  # the start-of-run line, at the first step: on global rank 0 (every rank is replica 0)
         model, opt = _scape(mesh, sparsity=0.99, max_steps=4, **SCHEDULE)
         for step in range(9):
@@ -509,10 +509,12 @@ def test_a_dcp_checkpoint_resumes_bit_for_bit_at_the_same_mesh_and_zeroed_gradie
     for out in run_distributed(_resume, str(tmp_path / "ckpt"), world_size=4):
         assert out["step"] == 8
         assert out["differ"] == {"param": 0, "m": 0, "residual": 0, "windows": 0}, (out["differ"], out["sizes"])
-        whole, again = out["stats"]  # the counters resume too (issue 35): steps, bytes, hook calls, skipped steps
-        assert again == whole and whole["steps"] == 14 and whole["skipped_steps"] == 1, (whole, again)
+        whole, again = out["stats"]  # the counters resume too: steps, bytes, hook calls, skipped steps
+        timed = ("step_seconds_dense", "step_seconds_sparse")  # measured anew by each run
+        assert {k: v for k, v in again.items() if k not in timed} == {k: v for k, v in whole.items() if k not in timed}
+        assert whole["steps"] == 14 and whole["skipped_steps"] == 1, (whole, again)
         assert out["kept_grads"] == {"param": 0, "m": 0, "residual": 0, "windows": 0}, out["kept_grads"]
-        # saved on (2, 2), loaded on (4, 1): refused before anything loads (issue 35, case 2)
+        # saved on (2, 2), loaded on (4, 1): refused before anything loads
         assert out["refused"].startswith("ValueError: this FSDP2 checkpoint was saved on a (2, 2)"), out["refused"]
         assert "this run has (4, 1)" in out["refused"] and out["refused_clean"]
         # the other path's checkpoint says which loader to use (case 5)
@@ -564,7 +566,7 @@ def test_compiled_kernels_run_the_compiled_passes_on_fsdp2_and_train_as_eager():
 
 
 def test_a_checkpoint_of_another_model_is_refused_before_anything_loads(tmp_path):
-    """Issue 35, case 5: an FSDP2 folder loaded into a model with one more layer names the parameters that differ."""
+    """An FSDP2 folder loaded into a model with one more layer names the parameters that differ."""
     import torch.distributed.checkpoint as dcp
 
     from scape_core import load_fsdp_checkpoint

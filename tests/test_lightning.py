@@ -125,9 +125,11 @@ def _registered_name_part(rank, tmp):
     """strategy="scape" with its defaults (50 dense warm-up steps, 99% sparsity): 60 steps."""
     model = Regression(scheduler=False)
     t = trainer("scape", tmp, max_steps=60, max_epochs=-1)
-    t.fit(model, loader(batch_size=1))
+    with said() as heard:
+        t.fit(model, loader(batch_size=1))
     return dict(strategy=type(t.strategy).__name__, stats=t.strategy.scape_state.stats(),
-                global_step=t.global_step, params=params(model))
+                global_step=t.global_step, params=params(model),
+                closing=[line for line in heard.lines if "sent instead of" in line])
 
 
 def test_registered_name_runs_the_hook_and_sends_fewer_bytes(ranks):
@@ -138,6 +140,12 @@ def test_registered_name_runs_the_hook_and_sends_fewer_bytes(ranks):
         assert r["global_step"] == s["steps"] == 60
         assert s["hook_calls"] >= 60  # at least one bucket per synced backward
         assert s["bytes_sent"] < s["dense_bytes"] and s["compression"] > 1.1  # 10 sparse steps of 60
+        # the warm-up's steps are timed; the 10 sparse steps are the ramp's, which are not
+        assert s["step_seconds_dense"] > 0 and s["step_seconds_sparse"] == 0
+    # the end of fit: one line on rank 0, the dense time and why no sparse step was timed
+    assert len(results[0]["closing"]) == 1 and results[0]["closing"][0].startswith("SCAPE: dense warm-up steps ")
+    assert "no sparse step at the target density was timed (it starts at step 100" in results[0]["closing"][0]
+    assert results[1]["closing"] == []
     for p, q in zip(results[0]["params"], results[1]["params"]):
         assert torch.equal(p, q)
 
@@ -448,10 +456,13 @@ def test_misuse_in_lightning_is_named(ranks):
             "SCAPE: this run has 8 optimizer steps, but its dense warm-up lasts warmup_steps=50: every step is dense, "
             "no communication is saved. Lower warmup_steps / ramp_steps (or train longer) to train at the sparsity "
             "you set."] if rank == 0 else [])
-        assert r["start_line"] == ([
+        assert r["start_line"][:1] == ([
             "SCAPE: ramp_steps=1000 (the rest default); steps 0-49 dense (warm-up), sparse from step "
             "50 at density 0.25, at the target density 0.0753 (int4 wire, 1% of dense bytes) from step 384; 8 steps "
             "in this run"] if rank == 0 else [])
+        # and at the end of fit, the closing line: dense steps timed, no sparse step at the target density
+        assert [line.startswith("SCAPE: dense warm-up steps ") for line in r["start_line"][1:]] == (
+            [True] if rank == 0 else [])
         assert r["stock_resume"].startswith("RuntimeError: this AdamW was loaded with optimizer state saved by "
                                             "SCAPE's AdamS")
         assert "the checkpoint is a SCAPE checkpoint" in r["stock_resume"]
