@@ -36,7 +36,7 @@ from torch import Tensor
 from scape_core import wire
 from scape_core.buckets import positions_in_regions
 from scape_core.layout import FlatLayout, MaskShape, row_of, short_group_index
-from scape_core.masks import OVERDUE, SCORE_CAP, excluded_key
+from scape_core.masks import OVERDUE, excluded_key
 from scape_core.wire import WirePlan
 
 KERNELS = ("eager", "compiled")
@@ -118,12 +118,11 @@ def adams_pass(params: list[Tensor], grads: list[Tensor], momenta: list[Tensor],
 
 def age_score(m: Tensor, synced_at: Tensor, before: Tensor, due: Tensor | None) -> Tensor:
     """:func:`scape_core.masks.age_momentum_score` as one expression (a compiled pass writes it nowhere):
-    ``|(synced_at - before) m|`` capped, ``before = target - 1``, and ``(due - synced_at) * OVERDUE``
-    above it for a coordinate last exchanged before ``due = target - max_window`` (0-dim tensors)."""
-    score = ((synced_at - before) * m).abs()
-    if due is None:
-        return score
-    return torch.maximum(score.clamp(max=SCORE_CAP), (due - synced_at) * OVERDUE)
+    ``|(synced_at - before) m|``, ``before = target - 1``, with ``|m|`` read as ``OVERDUE`` for a
+    coordinate last exchanged before ``due = target - max_window`` (0-dim tensors)."""
+    if due is not None:
+        m = m.masked_fill(synced_at < due, OVERDUE)
+    return ((synced_at - before) * m).abs()
 
 
 def age_momentum_pass(m: Tensor, synced_at: Tensor, before: Tensor, due: Tensor | None, out: Tensor) -> Tensor:

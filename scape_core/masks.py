@@ -26,9 +26,10 @@ EXCLUDED, PADDING = -1.0, -2.0  # scores are >= 0: excluded coordinates rank aft
 # coordinates takes the best of them), at least INT32_MIN + 1, so that padding (INT32_MIN) ranks last
 INT32_MIN = -2 ** 31
 PADDING_KEY = INT32_MIN
-# the age score's overdue coordinates (a window past ScapeConfig.max_window) score OVERDUE per step past it,
-# above every other score (capped at SCORE_CAP): they go first, the oldest first, whatever their momentum
-OVERDUE, SCORE_CAP = 2.0 ** 100, 2.0 ** 99
+# the age score reads an overdue coordinate's |m| (a window past ScapeConfig.max_window) as OVERDUE: it scores
+# OVERDUE (n - 1), above every other coordinate whose |m| is below it, the longest-waiting first (exact in fp32)
+OVERDUE_EXPONENT = 100
+OVERDUE = 2.0 ** OVERDUE_EXPONENT
 
 
 @dataclass
@@ -65,33 +66,36 @@ class Mask:
 def age_momentum_score(m: Tensor, synced_at: Tensor | None, target: int, max_window: int | None = None,
                        out: Tensor | None = None, late: Tensor | None = None) -> Tensor:
     """``|m| (n - 1)``, ``n = target - synced_at`` the window a coordinate will have at ``target``; a
-    coordinate whose window would pass ``max_window`` is overdue and scores above every other, the
-    oldest first: ``OVERDUE * (n - max_window)`` (the rest capped at :data:`SCORE_CAP`, below it).
+    coordinate whose window would pass ``max_window`` is overdue: its ``|m|`` reads as :data:`OVERDUE`,
+    so it scores above every other (any ``|m|`` below ``OVERDUE``), the longest-waiting first.
 
     Every input is replicated, so every rank computes the same score. Before the first sparse
     step (no windows yet) the score is ``|m|``. ``out``, ``late``: buffers to write the score and
-    the overdue term into (no temporary of the buffers' size is made, which on the CPU costs more
-    than the arithmetic). ``max_window=None``: no limit (a coordinate whose ``m`` is 0 then never
-    scores above 0, and is never picked while a row has ``k`` others).
+    the overdue-weighted ``m`` into (no temporary of the buffers' size is made, which on the CPU
+    costs more than the arithmetic). ``max_window=None``: no limit (a coordinate whose ``m`` is 0
+    then scores 0, and is never picked while its row has ``k`` others).
 
     Example:
         >>> age_momentum_score(torch.tensor([[1.0, -2.0]]), torch.tensor([[3.0, 1.0]]), target=5)
         tensor([[1., 6.]])
         >>> s = age_momentum_score(torch.tensor([[0.0, 0.0, 5.0]]), torch.tensor([[-1.0, 0.0, 3.0]]), target=5,
-        ...                        max_window=5)   # windows 6, 5 and 2: the first is overdue, one step past
-        >>> bool(s[0, 0] == OVERDUE), s[0, 1:].tolist()
+        ...                        max_window=5)   # windows 6, 5 and 2: the first is overdue
+        >>> bool(s[0, 0] == 5 * OVERDUE), s[0, 1:].tolist()
         (True, [0.0, 5.0])
     """
     if synced_at is None:
         return torch.abs(m, out=out)
     score = torch.sub(synced_at, target - 1, out=out if out is not None else torch.empty_like(m))  # -(n - 1)
-    score.mul_(m).abs_()
-    if max_window is None:
-        return score
-    # (n - max_window) * OVERDUE, exact in fp32 (integers below 2^24 times a power of two); <= 0 unless overdue
-    late = torch.mul(synced_at, -OVERDUE, out=late if late is not None else torch.empty_like(m))
-    late.add_((target - max_window) * OVERDUE)
-    return torch.maximum(score.clamp_(max=SCORE_CAP), late, out=score)
+    if max_window is not None:  # last exchanged before target - max_window: overdue
+        m = torch.where(synced_at < target - max_window, _overdue(m.device), m,
+                        out=late if late is not None else torch.empty_like(m))
+    return score.mul_(m).abs_()
+
+
+@functools.lru_cache(maxsize=8)
+def _overdue(device: torch.device) -> Tensor:
+    """:data:`OVERDUE` as a 0-dim tensor (``torch.where``'s operand), made once per device."""
+    return torch.full((), 1.0, device=device).ldexp_(torch.tensor(OVERDUE_EXPONENT, device=device))
 
 
 def momentum_residual_score(m: Tensor, residual: Tensor | None, beta1: float) -> Tensor:

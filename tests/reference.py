@@ -82,12 +82,12 @@ def max_window(chunk: int, density: float, setting: int = 0) -> int:
 
 def age_momentum_score(m: Tensor, last_sync: Tensor, target: int, limit: int | None = None) -> Tensor:
     """``|m| (n - 1)``, ``n = target - last_sync`` the window the coordinate will have at ``target``; a
-    window past ``limit`` ranks above every other, the longest first (whatever ``m``)."""
+    window past ``limit`` is overdue: its ``|m|`` reads as ``2^100`` (above every other, the longest first)."""
     n = (target - last_sync).double()
-    score = m.abs().double() * (n - 1)
-    if limit is None:
-        return score
-    return torch.where(n > limit, 2.0 ** 200 * (n - limit), score)
+    weight = m.abs().double()
+    if limit is not None:
+        weight = torch.where(n > limit, 2.0 ** 100, weight)
+    return weight * (n - 1)
 
 
 def momentum_residual_score(m: Tensor, residual: Tensor, beta1: float) -> Tensor:
