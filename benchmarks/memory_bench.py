@@ -117,11 +117,12 @@ def measure(name: str, base: nn.Module, data: Any) -> dict[str, Any]:
     if state is not None:
         named = {"m": opt.momentum_buffer, **opt.statistics, "windows": state.window_buffer,
                  "residual": state.residual_buffer, "score workspace": state.selector.scratch,
-                 "staging": state.staging_buffer}
+                 "overdue workspace": state.selector.late_scratch, "staging": state.staging_buffer}
         for key, t in named.items():
             row[key] = held.pop(t.untyped_storage().data_ptr(), 0) / n if t is not None else 0.0
         row["other"] = sum(held.values()) / n
-        row["state"] = row["total"] - row["score workspace"] - row["staging"]  # scratch: holds nothing between steps
+        scratch = row["score workspace"] + row["overdue workspace"] + row["staging"]  # holds nothing between steps
+        row["state"] = row["total"] - scratch
         row["bytes_dense_step"] = {k: counted[0][k] for k in ("bytes_sent", "shard_bytes", "mask_bytes", "dense_bytes")}
         after, before = state.counters, counted[1]
         sparse_steps = 2
@@ -152,7 +153,7 @@ def worker(args: argparse.Namespace) -> None:
 def table(results: dict[str, Any]) -> str:
     """Markdown: bytes per parameter per rank (the largest over ranks) per method and world size."""
     worlds = sorted(results, key=int)
-    keys = ("m", "sq", "windows", "residual", "other", "score workspace", "staging", "total", "peak")
+    keys = ("m", "sq", "windows", "residual", "other", "score workspace", "overdue workspace", "staging", "total", "peak")
     lines = ["| method | W | state B/param (max over ranks) | target | " + " | ".join(keys) + " |",
              "|---|---|---|---|" + "---|" * len(keys)]
     for name in METHODS:

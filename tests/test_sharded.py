@@ -209,7 +209,8 @@ def _memory_and_bytes(rank, world):
         exclude = {t.untyped_storage().data_ptr() for p in model.parameters() for t in (p, p.grad) if t is not None}
         exclude |= {v.untyped_storage().data_ptr() for v in state.buckets.views.values()}  # DDP's buckets
         held = held_storages([opt, state], exclude)
-        scratch = [t for t in (state.selector.scratch, state.staging_buffer) if t is not None]  # hold nothing
+        scratch = [t for t in (state.selector.scratch, state.selector.late_scratch, state.staging_buffer)
+                   if t is not None]  # hold nothing
         workspace = sum(t.untyped_storage().nbytes() for t in scratch)
         out[sharded] = dict(state=sum(held.values()) - workspace, per_step=per_step, rows=state.layout.rows,
                             own=opt.momentum_buffer.shape[0], windows=state.window_buffer.shape[0],
