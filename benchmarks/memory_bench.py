@@ -153,7 +153,8 @@ def worker(args: argparse.Namespace) -> None:
 def table(results: dict[str, Any]) -> str:
     """Markdown: bytes per parameter per rank (the largest over ranks) per method and world size."""
     worlds = sorted(results, key=int)
-    keys = ("m", "sq", "windows", "residual", "other", "score workspace", "overdue workspace", "staging", "total", "peak")
+    keys = ("m", "sq", "windows", "residual", "other", "score workspace", "overdue workspace", "staging", "total",
+            "peak")
     lines = ["| method | W | state B/param (max over ranks) | target | " + " | ".join(keys) + " |",
              "|---|---|---|---|" + "---|" * len(keys)]
     for name in METHODS:
