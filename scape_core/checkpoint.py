@@ -90,6 +90,8 @@ def gather_state_dict(state: "ScapeState") -> dict[str, Any]:
         out = [torch.empty_like(state.residual_buffer) for _ in range(state.world_size)]
         inflight.collective(dist.all_gather, out, state.residual_buffer.contiguous(), group=state.process_group)
         residuals = [{n: state.layout.view(r, n).cpu().clone() for n in state.params} for r in out]
+        for r in out:  # the held work keeps these tensors a while longer (inflight): their memory goes now
+            r.untyped_storage().resize_(0)
     else:
         residuals = [{} for _ in range(state.world_size)]
     full = {k: v for k, v in own.items() if k not in ("residual", "rank")}
