@@ -297,8 +297,8 @@ def count_compiled(fn: Callable, name: str | None = None,
 
 
 def _score_traffic(args: tuple, kwargs: dict, out: Any) -> tuple[int, int]:
-    m, synced_at, before, dest = args  # ``out`` is only written
-    return nbytes([m, synced_at, before]), nbytes(dest)
+    m, synced_at, before, due, dest = args  # ``out`` is only written; ``due``: the overdue rows' flags, or None
+    return nbytes([m, synced_at, before, due]), nbytes(dest)
 
 
 def _gather_traffic(args: tuple, kwargs: dict, out: Any) -> tuple[int, int]:
