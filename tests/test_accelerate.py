@@ -8,6 +8,7 @@ several trainings and the tests below read its results.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import subprocess
@@ -461,7 +462,8 @@ def test_cli_config_interactive_flags_and_env(tmp_path):
     env = _env(tmp_path)
     path = Path(env["HF_HOME"]) / "accelerate" / "scape_config.yaml"
     # interactive: an invalid answer is asked again, empty answers keep defaults
-    answers = "0.8\nabc\n5\n\n\nno\n\n\n\n\nyes\n\n\n\n\n\n\n"  # one line per ScapeConfig field (abc: asked again)
+    # one line per ScapeConfig field (abc: asked again); the ten fields up to shard_optimizer, then defaults
+    answers = "0.8\nabc\n5\n\n\nno\n\n\n\n\nyes\n" + "\n" * (len(dataclasses.fields(ScapeConfig)) - 10)
     proc = _run(_scape_cli() + ["config"], env, input=answers)
     assert "expects an int" in proc.stdout and str(path) in proc.stdout
     # only the answers given are written: the rest take each script's own defaults

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from scape_core.state import LOGGED
 from tests.dist import free_port, run_distributed
 
 HERE = Path(__file__).resolve()
@@ -253,7 +254,7 @@ def test_scape_keys_are_on_training_logs_only(ranks):
     scape = [{k for k in keys if k.startswith("scape/")} for keys in logs]
     training = [s for keys, s in zip(logs, scape) if "loss" in keys]
     other = [(keys, s) for keys, s in zip(logs, scape) if "loss" not in keys]
-    assert len(training) == 4 and all(len(s) == 6 for s in training), logs
+    assert len(training) == 4 and all(len(s) == len(LOGGED) for s in training), logs
     assert sum("eval_loss" in keys for keys, _ in other) == 2, logs  # at steps 2 and 4
     assert any("train_runtime" in keys for keys, _ in other), logs  # the final metrics
     assert not any(s for _, s in other), other
