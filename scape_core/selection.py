@@ -203,6 +203,7 @@ class MaskSelector:
         """The ``(rows, k)`` int16 columns chosen for ``rows`` of the layout, whose ``m``, ``residual``
         and ``windows`` are given (those rows only): scored and selected a block at a time."""
         picked = []
+        limit = self.window_limit(shape)  # None for a score without windows: no overdue scratch either
         blocks = self.blocks(rows)  # one but on the CPU
         for block in blocks:
             at = slice(block.start - rows.start, block.stop - rows.start)  # the block's rows in the buffers given
@@ -211,7 +212,7 @@ class MaskSelector:
             w = None if windows is None else part(windows)
             s = score(self.config.resolved_score, part(m), e, w, target, beta1,
                       out=self.workspace(block.stop - block.start), kernels=self.kernels,
-                      max_window=self.window_limit(shape), late=self.workspace(block.stop - block.start, late=True))
+                      max_window=limit, late=None if limit is None else self.workspace(block.stop - block.start, True))
             picked.append(SELECTIONS[self.config.selection](s, self.layout, shape, scheduled, block))
         return picked[0] if len(picked) == 1 else torch.cat(picked)
 
