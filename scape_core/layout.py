@@ -296,7 +296,7 @@ class MaskShape:
             self._offsets.append(self._offsets[-1] + c)
         self._ranges: dict[tuple[str, ...], _Ranges] = {}
         self._group_index: Tensor | None = None
-        self._short: dict[tuple[int, int], tuple[Tensor, Tensor, Tensor] | None] = {}
+        self._short: dict[tuple[int, int, bool], tuple[Tensor, Tensor, Tensor] | None] = {}
         self._pieces: dict[tuple[str, ...], tuple[ParamPiece, ...]] = {}
         self._slots: Tensor | None = None
 
@@ -339,21 +339,25 @@ class MaskShape:
             self._group_index = short_group_index(lens, counts, self.k, self.widest, layout.chunk)
         return self._group_index
 
-    def short_rows(self, start: int, stop: int) -> tuple[Tensor, Tensor, Tensor] | None:
-        """The shorter rows inside rows ``[start, stop)`` for a compiled pick: their index there, their
+    def short_rows(self, start: int, stop: int, host: bool = False) -> tuple[Tensor, Tensor, Tensor] | None:
+        """The shorter rows inside rows ``[start, stop)`` for a compiled or C pick: their index there, their
         lengths and their picks (``None`` if there are none); :attr:`group_index`'s groups follow from
-        these. Cached: the first call per range reads the device once.
+        these. ``host``: as int32 on the CPU (what :func:`~scape_core.rowselect.top_columns` reads). Cached:
+        the first call per range reads the device once.
 
         Example:
             >>> layout = FlatLayout({"w": torch.zeros(13), "b": torch.zeros(3)}, chunk=8)   # rows: 8, 5 | 3
             >>> [t.tolist() for t in layout.mask_shape(0.5).short_rows(1, 3)]
             [[0, 1], [5, 3], [3, 2]]
         """
-        key = (start, stop)
+        key = (start, stop, host)
         if key not in self._short:
             found = self._layout.partial_rows_in(start, stop)
             if found is None:
                 self._short[key] = None
+            elif host:
+                self._short[key] = tuple(t.to(device="cpu", dtype=torch.int32).contiguous()
+                                         for t in self.short_rows(start, stop))
             else:
                 local, _, which = found
                 lens = torch.tensor(self._layout.partial_len, device=local.device).index_select(0, which)

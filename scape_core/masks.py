@@ -17,13 +17,14 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from scape_core import rowselect
 from scape_core.layout import FlatLayout, MaskShape
 
-EXCLUDED, PADDING = -1.0, -2.0  # scores are >= 0: excluded coordinates rank after every free one, padding last
 # fp32 scores are ranked by their bits as int32 (the same order for every score >= 0, and a faster top-k on
 # the CPU: 32 ms instead of 44 for 10M scores at k = 41); an excluded key is its bits or-ed with INT32_MIN
 # (negative: after every free one, and the excluded keep their order among themselves, so a row short of free
 # coordinates takes the best of them), at least INT32_MIN + 1, so that padding (INT32_MIN) ranks last
+EXCLUDED, PADDING = -1.0, -2.0  # float scores are >= 0: excluded coordinates rank after every free one, padding last
 INT32_MIN = -2 ** 31
 PADDING_KEY = INT32_MIN
 # the age score reads an overdue coordinate's |m| (a window past ScapeConfig.max_window) as OVERDUE: it scores
@@ -135,35 +136,46 @@ def _rank_excluded_last(keys: Tensor, at: Tensor) -> None:
 
 def select(score: Tensor, layout: FlatLayout, shape: MaskShape, exclude: Mask | None = None,
            rows: slice = slice(None)) -> Tensor:
-    """The ``k`` best columns of every row of ``score`` (rows ``rows`` of the layout); overwrites ``score``.
+    """The ``k`` best columns of every row of ``score`` (rows ``rows`` of the layout), ascending; overwrites
+    a float32 ``score`` (another dtype is ranked as float32).
 
-    Coordinates of ``exclude`` are taken only if a row has not enough others (the best of them); padding never
-    before a real coordinate. Returns ``(rows, k)`` int16 columns; in a shorter last row the
-    best ``count`` come first and the other slots hold a padding column.
+    The ``k`` largest scores of each row, ties taken lowest columns first
+    (:func:`~scape_core.rowselect.top_columns`: a radix select on the CPU). Coordinates of ``exclude`` are
+    taken only if a row has not enough others (the best of them); padding never before a real coordinate.
+    Returns ``(rows, k)`` int16 columns; in a shorter last row the ``count`` best come first (ascending) and
+    the other slots hold a padding column.
 
     Example:
         >>> layout = FlatLayout({"w": torch.zeros(6)}, chunk=4)        # rows: 4 + 2 (padded)
         >>> score = torch.tensor([[0.1, 3.0, 2.0, 5.0], [7.0, 1.0, 0.0, 0.0]])
         >>> select(score, layout, layout.mask_shape(0.5)).tolist()    # k = 2; the short row has 1
-        [[3, 1], [0, 3]]
+        [[1, 3], [0, 3]]
     """
     start = rows.start or 0
     stop = layout.rows if rows.stop is None else rows.stop
-    keys, padded = score, PADDING
-    if score.dtype == torch.float32:  # the bits order non-negative floats as their values
-        keys, padded = score.view(torch.int32), PADDING_KEY
+    keys = (score if score.dtype == torch.float32 else score.float()).view(torch.int32)  # bits order scores >= 0
     if exclude is not None:  # below every free score, in their own order: a short row takes the best of them
         _rank_excluded_last(keys, _rows_of(exclude.cols, start, stop).long())
-    partial = layout.partial_rows_in(start, stop)
-    if partial is not None:
-        local, padding, which = partial
-        keys.index_copy_(0, local, keys.index_select(0, local).masked_fill_(padding, padded))
-    cols = keys.topk(shape.k, dim=1, sorted=False).indices
-    if partial is not None:  # short rows: best first, so their first `count` slots are the entries
-        best = keys.index_select(0, local).topk(shape.k, dim=1, sorted=True).indices
-        valid = shape.partial_valid.index_select(0, which)
-        cols.index_copy_(0, local, best.masked_fill_(~valid, layout.chunk - 1))
-    return cols.to(torch.int16)
+    return rowselect.top_columns(keys, shape.k, shape.short_rows(start, stop, host=True))
+
+
+def select_age(m: Tensor, windows: Tensor | None, target: int, max_window: int | None, layout: FlatLayout,
+               shape: MaskShape, exclude: Mask | None = None, rows: slice = slice(None)) -> Tensor | None:
+    """:func:`select` of :func:`age_momentum_score` (``|m|`` without ``windows``) with no stored score: the
+    C pick scores each row as it selects it (:func:`~scape_core.rowselect.fused_age_columns`), the same
+    columns. ``None`` where it does not run (not the CPU, no C compiler): score, then :func:`select`.
+
+    Example:
+        >>> layout = FlatLayout({"w": torch.zeros(6)}, chunk=4)        # rows: 4 + 2 (padded)
+        >>> m, w = torch.tensor([[0.1, 3.0, 2.0, 5.0], [7.0, 1.0, 0.0, 0.0]]), torch.full((2, 4), 3.0)
+        >>> select_age(m, w, 5, None, layout, layout.mask_shape(0.5)).tolist()   # |m| * 1
+        [[1, 3], [0, 3]]
+    """
+    start = rows.start or 0
+    stop = layout.rows if rows.stop is None else rows.stop
+    excluded = None if exclude is None else _rows_of(exclude.cols, start, stop)
+    return rowselect.fused_age_columns(m, windows, target, max_window, OVERDUE, excluded, shape.k,
+                                       shape.short_rows(start, stop, host=True))
 
 
 def group_argmax(keys: Tensor, size: int, k: int) -> Tensor:

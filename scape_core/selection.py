@@ -21,7 +21,7 @@ from scape_core.compat import all_gather_into_tensor
 from scape_core.config import ScapeConfig
 from scape_core.kernels import Kernels
 from scape_core.layout import FlatLayout, MaskShape
-from scape_core.masks import SELECTIONS, Mask, age_momentum_score, momentum_residual_score, strided
+from scape_core.masks import SELECTIONS, Mask, age_momentum_score, momentum_residual_score, select_age, strided
 
 # the CPU scores (and top-k's) 1M values at a time: a 4 MB scratch at any model size instead of 4 B per
 # parameter, and no slower (25M scores at k = 41: 130-153 ms in blocks of 256 rows, 133-168 ms at once)
@@ -210,6 +210,12 @@ class MaskSelector:
             part = (lambda t: t) if len(blocks) == 1 else (lambda t: t[at])  # no view of all of them
             e = None if residual is None else part(residual)
             w = None if windows is None else part(windows)
+            if self.config.selection == "topk" and self.config.resolved_score in ("age_momentum", "momentum"):
+                cols = select_age(part(m), w if self.config.resolved_score == "age_momentum" else None, target,
+                                  limit, self.layout, shape, scheduled, block)  # no stored score, on the CPU
+                if cols is not None:
+                    picked.append(cols)
+                    continue
             s = score(self.config.resolved_score, part(m), e, w, target, beta1,
                       out=self.workspace(block.stop - block.start), kernels=self.kernels,
                       max_window=limit, late=None if limit is None else self.workspace(block.stop - block.start, True))

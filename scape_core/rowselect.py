@@ -1,0 +1,363 @@
+"""The ``k`` largest keys of every row, as ascending columns: the top-k selection's pick.
+
+Which coordinates win is fixed by the keys alone: the ``k`` largest int32 keys of each row, ties at
+the row's ``k``-th key taken lowest columns first, the columns returned in ascending order. That is
+``torch.topk`` over keys made unique by their column (:func:`reference_columns`, the definition the
+tests hold every path to), and it makes a mask the same on every rank, device and path.
+
+On the CPU a per-row radix select in C does it (:data:`SOURCE`): a histogram of the keys' top 11
+bits finds the bucket of the ``k``-th key, two more over that bucket's keys find the key itself,
+and one pass over the row writes the columns above it and the first ties, in column order. Four
+passes over a row that stays in cache, against ``torch.topk``'s quickselect over (key, index)
+pairs and a sort for the ascending order: ``docs/benchmarks.md`` has the costs. It is compiled at
+the first use with the system's C compiler (``$CC``, else ``cc``) into a per-user cache, once per
+machine. Where none works it says so once and :func:`reference_columns` picks the same columns,
+slower. Elsewhere (CUDA) :func:`reference_columns` runs: ``torch.topk`` is a radix select there.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import ctypes
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+from typing import Callable, Optional
+
+import torch
+from torch import Tensor
+
+SOURCE = r"""
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#include <math.h>
+
+/* int32 keys in unsigned order */
+static inline uint32_t ord(int32_t x) { return (uint32_t)x ^ 0x80000000u; }
+
+/* The bucket (of `bins`) holding the need-th largest counted value, from the top; *need becomes the
+   rank of that value inside its bucket. */
+static int top_bucket(const uint32_t *hist, int bins, int64_t *need) {
+    int b = bins - 1;
+    while (*need > (int64_t)hist[b]) { *need -= hist[b]; b--; }
+    return b;
+}
+
+static void select_row(const int32_t *x, int64_t n, int64_t k, int16_t *out, uint32_t *cand) {
+    uint32_t hist[4][2048], sum[2048];
+    int64_t need = k, m = 0, ties;
+    memset(hist, 0, sizeof hist);
+    int64_t j = 0;
+    for (; j + 4 <= n; j += 4) {  /* four histograms: no chain of increments on one bin */
+        hist[0][ord(x[j]) >> 21]++; hist[1][ord(x[j + 1]) >> 21]++;
+        hist[2][ord(x[j + 2]) >> 21]++; hist[3][ord(x[j + 3]) >> 21]++;
+    }
+    for (; j < n; j++) hist[0][ord(x[j]) >> 21]++;
+    for (int b = 0; b < 2048; b++) sum[b] = hist[0][b] + hist[1][b] + hist[2][b] + hist[3][b];
+    uint32_t high = (uint32_t)top_bucket(sum, 2048, &need);
+    for (j = 0; j < n; j++) { uint32_t u = ord(x[j]); cand[m] = u; m += (u >> 21) == high; }
+    memset(sum, 0, sizeof sum);
+    for (int64_t i = 0; i < m; i++) sum[(cand[i] >> 10) & 2047]++;
+    uint32_t prefix = (high << 21) | ((uint32_t)top_bucket(sum, 2048, &need) << 10);
+    int64_t m2 = 0;
+    for (int64_t i = 0; i < m; i++) { uint32_t u = cand[i]; cand[m2] = u; m2 += (u >> 10) == (prefix >> 10); }
+    memset(sum, 0, 1024 * sizeof(uint32_t));
+    for (int64_t i = 0; i < m2; i++) sum[cand[i] & 1023]++;
+    uint32_t t = prefix | (uint32_t)top_bucket(sum, 1024, &need);
+    ties = need;  /* keys equal to t to take, lowest columns first */
+    int64_t c = 0;
+    for (j = 0; j < n && c < k; j++) {
+        uint32_t u = ord(x[j]);
+        if (u > t) out[c++] = (int16_t)j;
+        else if (u == t && ties > 0) { out[c++] = (int16_t)j; ties--; }
+    }
+}
+
+/* Row r takes its k best among its n columns, but a shorter row (short[p] == row0 + r, ascending) takes its
+   counts[p] best among its first lens[p], ascending; the other slots hold column n - 1 (its padding). */
+typedef struct { const int32_t *rows, *lens, *counts; int64_t n, next; } Short;
+
+static void pick_row(const int32_t *x, Short *sh, int64_t row, int64_t n, int64_t k, int16_t *out, uint32_t *cand) {
+    int64_t len = n, count = k;
+    while (sh->next < sh->n && sh->rows[sh->next] < row) sh->next++;
+    if (sh->next < sh->n && sh->rows[sh->next] == row) { len = sh->lens[sh->next]; count = sh->counts[sh->next]; }
+    if (count > len) count = len;
+    if (count > 0) select_row(x, len, count, out, cand);
+    for (int64_t i = count < 0 ? 0 : count; i < k; i++) out[i] = (int16_t)(n - 1);
+}
+
+/* rows x n int32 keys (row stride `stride` values) -> rows x k int16 columns; 0 on success */
+int scape_topk_rows(const int32_t *keys, int64_t rows, int64_t n, int64_t stride, int64_t k, int64_t row0,
+                    const int32_t *short_rows, const int32_t *lens, const int32_t *counts, int64_t n_short,
+                    int16_t *out) {
+    if (k < 1 || k > n || n > 32768) return 1;
+    uint32_t *cand = (uint32_t *)malloc((size_t)n * sizeof(uint32_t));
+    if (!cand) return 2;
+    Short sh = {short_rows, lens, counts, n_short, 0};
+    for (int64_t r = 0; r < rows; r++) pick_row(keys + r * stride, &sh, row0 + r, n, k, out + r * k, cand);
+    free(cand);
+    return 0;
+}
+
+/* The age score's pick without a stored score: row by row, the keys of |(w - t1) * late| (late: OVERDUE
+   where w < before and a limit is set, else m; |m| without windows), the excluded columns moved below
+   every free key, then pick_row. The fp32 arithmetic of scape_core.masks.age_momentum_score. */
+int scape_age_topk_rows(const float *m, const float *w, int64_t rows, int64_t n, int64_t k, float t1,
+                        int has_limit, float before, float overdue, const int16_t *excluded, int64_t k_ex,
+                        int64_t row0, const int32_t *short_rows, const int32_t *lens, const int32_t *counts,
+                        int64_t n_short, int16_t *out) {
+    if (k < 1 || k > n || n > 32768) return 1;
+    uint32_t *cand = (uint32_t *)malloc((size_t)n * sizeof(uint32_t));
+    int32_t *keys = (int32_t *)malloc((size_t)n * sizeof(int32_t));
+    if (!cand || !keys) { free(cand); free(keys); return 2; }
+    Short sh = {short_rows, lens, counts, n_short, 0};
+    for (int64_t r = 0; r < rows; r++) {
+        const float *mr = m + r * n;
+        float *score = (float *)keys;  /* the row's scores, read as int32 keys below (-fno-strict-aliasing) */
+        if (w) {
+            const float *wr = w + r * n;
+            if (has_limit) {
+                for (int64_t j = 0; j < n; j++) score[j] = fabsf((wr[j] - t1) * (wr[j] < before ? overdue : mr[j]));
+            } else {
+                for (int64_t j = 0; j < n; j++) score[j] = fabsf((wr[j] - t1) * mr[j]);
+            }
+        } else {
+            for (int64_t j = 0; j < n; j++) score[j] = fabsf(mr[j]);
+        }
+        if (excluded) {
+            for (int64_t i = 0; i < k_ex; i++) {
+                int64_t c = excluded[r * k_ex + i];
+                int32_t e = keys[c] | (int32_t)0x80000000u;
+                keys[c] = e < -2147483647 ? -2147483647 : e;
+            }
+        }
+        pick_row(keys, &sh, row0 + r, n, k, out + r * k, cand);
+    }
+    free(cand); free(keys);
+    return 0;
+}
+"""
+
+FLAGS = ("-O3", "-shared", "-fPIC", "-std=c99", "-fno-strict-aliasing")
+_lock = threading.Lock()
+_library: ctypes.CDLL | None = None
+_unavailable: str | None = None  # why the C pick is not used (said once)
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def unique_keys(keys: Tensor) -> Tensor:
+    """int32 ``keys`` as int64 keys in the same order, made unique by the column: among equal keys the
+    lower column ranks first.
+
+    Example:
+        >>> unique_keys(torch.tensor([[2, 2]], dtype=torch.int32)).tolist()   # 2 * 65536 + 65535, ... + 65534
+        [[196607, 196606]]
+    """
+    cols = torch.arange(keys.shape[-1], device=keys.device)
+    return keys.long().mul_(1 << 16).add_(0xFFFF - cols)
+
+
+Short = tuple[Tensor, Tensor, Tensor]  # a block's shorter rows: their rows (ascending), lengths and counts, int32
+
+
+def reference_columns(keys: Tensor, k: int, short: Short | None = None) -> Tensor:
+    """The columns of each row's ``k`` largest int32 ``keys``, ties lowest columns first, ascending
+    (``(rows, k)`` int16): ``torch.topk`` over :func:`unique_keys`, sorted. ``short``: rows that take
+    their ``count`` best among their first ``length`` columns, the other slots holding the last column
+    (a parameter's shorter last row: its picks, then its padding).
+
+    Example:
+        >>> reference_columns(torch.tensor([[5, 1, 5, 7, 5]], dtype=torch.int32), 3).tolist()
+        [[0, 2, 3]]
+        >>> one = torch.tensor([0], dtype=torch.int32)
+        >>> reference_columns(torch.tensor([[5, 1, 5, 7, 5]], dtype=torch.int32), 3, (one, one + 3, one + 2)).tolist()
+        [[0, 2, 4]]
+    """
+    unique = unique_keys(keys)
+    cols = unique.topk(k, dim=1, sorted=False).indices.sort(dim=1).values.to(torch.int16)
+    if short is None or not short[0].numel():
+        return cols
+    rows, lengths, counts = (t.to(keys.device).long() for t in short)
+    n = keys.shape[1]
+    beyond = torch.arange(n, device=keys.device) >= lengths[:, None]
+    best = unique.index_select(0, rows).masked_fill_(beyond, torch.iinfo(torch.int64).min).topk(k, dim=1).indices
+    slots = torch.arange(k, device=keys.device) >= counts[:, None]
+    return cols.index_copy_(0, rows, best.masked_fill_(slots, n - 1).sort(dim=1).values.to(torch.int16))
+
+
+def top_columns(keys: Tensor, k: int, short: Short | None = None) -> Tensor:
+    """:func:`reference_columns`, fast: the C radix select on the CPU (rows split over torch's threads),
+    ``torch.topk`` elsewhere. ``keys``: ``(rows, n)`` int32, rows contiguous.
+
+    Example:
+        >>> keys = torch.tensor([[3, 9, 9, 1], [0, 0, 0, 0]], dtype=torch.int32)
+        >>> top_columns(keys, 2).tolist()
+        [[1, 2], [0, 1]]
+    """
+    n = keys.shape[1]
+    if (keys.device.type != "cpu" or keys.dtype != torch.int32 or not 0 < k <= n or n > 32768
+            or keys.stride(1) != 1 or not _fits(short) or _load() is None):
+        return reference_columns(keys, k, short)
+    return torch.ops.scape.top_columns(keys, k, *(short or (None, None, None)))
+
+
+def fused_age_columns(m: Tensor, windows: Tensor | None, target: int, max_window: int | None, overdue: float,
+                      excluded: Tensor | None, k: int, short: Short | None = None) -> Tensor | None:
+    """The columns :func:`top_columns` takes from the age score of ``m`` and ``windows``
+    (:func:`~scape_core.masks.age_momentum_score`, an overdue coordinate's ``|m|`` read as ``overdue``; ``|m|``
+    without windows), the ``(rows, k_ex)`` int16 ``excluded`` columns moved last
+    (:func:`~scape_core.masks.excluded_key`), computed row by row in C with no stored score: the same columns
+    from the same fp32 arithmetic. ``None`` where the C pick is not used (not the CPU, no compiler, not
+    contiguous fp32): the caller scores and selects.
+
+    Example:
+        >>> m, w = torch.tensor([[1.0, -2.0, 0.5]]), torch.tensor([[3.0, 1.0, 0.0]])   # scores 1, 6, 2
+        >>> fused_age_columns(m, w, target=5, max_window=None, overdue=2.0 ** 100, excluded=None, k=2).tolist()
+        [[1, 2]]
+    """
+    n = m.shape[1]
+    tensors = [t for t in (m, windows, excluded) if t is not None]
+    if (m.device.type != "cpu" or m.dtype != torch.float32 or (windows is not None and windows.dtype != m.dtype)
+            or (excluded is not None and excluded.dtype != torch.int16) or not all(t.is_contiguous() for t in tensors)
+            or not 0 < k <= n or n > 32768 or not _fits(short) or _load() is None):
+        return None
+    limit = max_window is not None and windows is not None
+    return torch.ops.scape.age_columns(m, windows, float(target - 1), limit, float(target - max_window) if limit
+                                       else 0.0, float(overdue), excluded, k, *(short or (None, None, None)))
+
+
+def _fits(short: Short | None) -> bool:
+    """Whether ``short`` is absent, or three contiguous int32 CPU tensors of one length (what C reads)."""
+    return short is None or all(t.dtype == torch.int32 and t.is_contiguous() and t.device.type == "cpu"
+                                and t.shape == short[0].shape for t in short)
+
+
+# The C picks as torch operators (CPU only): a dispatch mode (benchmarks/traffic_bench.py, op_count.py) sees each
+# call as one operator that reads its tensor arguments and writes its columns.
+@torch.library.custom_op("scape::top_columns", mutates_args=(), device_types="cpu")
+def _top_columns_op(keys: Tensor, k: int, short_rows: Optional[Tensor], lengths: Optional[Tensor],
+                    counts: Optional[Tensor]) -> Tensor:
+    rows, n = keys.shape
+    out = torch.empty(rows, k, dtype=torch.int16)
+    library, n_short = _load(), 0 if short_rows is None else short_rows.numel()
+    return _by_rows(out, lambda lo, hi: library.scape_topk_rows(
+        _at(keys, lo), hi - lo, n, keys.stride(0), k, lo, _at(short_rows, 0), _at(lengths, 0), _at(counts, 0),
+        n_short, _at(out, lo)))
+
+
+@torch.library.custom_op("scape::age_columns", mutates_args=(), device_types="cpu")
+def _age_columns_op(m: Tensor, windows: Optional[Tensor], t1: float, limit: bool, before: float, overdue: float,
+                    excluded: Optional[Tensor], k: int, short_rows: Optional[Tensor], lengths: Optional[Tensor],
+                    counts: Optional[Tensor]) -> Tensor:
+    rows, n = m.shape
+    out = torch.empty(rows, k, dtype=torch.int16)
+    k_ex = 0 if excluded is None else excluded.shape[1]
+    library, n_short = _load(), 0 if short_rows is None else short_rows.numel()
+    return _by_rows(out, lambda lo, hi: library.scape_age_topk_rows(
+        _at(m, lo), _at(windows, lo), hi - lo, n, k, t1, int(limit), before, overdue, _at(excluded, lo), k_ex,
+        lo, _at(short_rows, 0), _at(lengths, 0), _at(counts, 0), n_short, _at(out, lo)))
+
+
+@_top_columns_op.register_fake
+def _(keys: Tensor, k: int, short_rows: Optional[Tensor], lengths: Optional[Tensor],
+      counts: Optional[Tensor]) -> Tensor:
+    return keys.new_empty(keys.shape[0], k, dtype=torch.int16)
+
+
+@_age_columns_op.register_fake
+def _(m: Tensor, windows: Optional[Tensor], t1: float, limit: bool, before: float, overdue: float,
+      excluded: Optional[Tensor], k: int, short_rows: Optional[Tensor], lengths: Optional[Tensor],
+      counts: Optional[Tensor]) -> Tensor:
+    return m.new_empty(m.shape[0], k, dtype=torch.int16)
+
+
+def _at(t: Tensor | None, row: int) -> ctypes.c_void_p | None:
+    """The address of row ``row`` of a row-major ``t`` (element ``row`` of a 1-D one); ``None`` for none."""
+    return None if t is None else ctypes.c_void_p(t.data_ptr() + row * t.stride(0) * t.element_size())
+
+
+def _by_rows(out: Tensor, run: Callable[[int, int], int]) -> Tensor:
+    """``run(lo, hi)`` over ``out``'s rows, split over torch's threads (ctypes releases the GIL); ``out``."""
+    rows = out.shape[0]
+    threads = min(torch.get_num_threads(), max(1, rows // 64))
+    size = -(-rows // threads)
+    parts = [(lo, min(lo + size, rows)) for lo in range(0, rows, size)]
+    codes = [run(*parts[0])] if len(parts) == 1 else list(_threads().map(lambda p: run(*p), parts))
+    if any(codes):
+        raise RuntimeError(f"SCAPE's C top-k failed (code {max(codes)}) on {rows} rows")
+    return out
+
+
+def _threads() -> concurrent.futures.ThreadPoolExecutor:
+    global _pool
+    if _pool is None:
+        _pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1),
+                                                      thread_name_prefix="scape-topk")
+    return _pool
+
+
+def cache_dir() -> Path:
+    """Where the compiled pick is kept: ``$SCAPE_CACHE``, else ``$XDG_CACHE_HOME/scape_train``, else
+    ``~/.cache/scape_train``."""
+    if os.environ.get("SCAPE_CACHE"):
+        return Path(os.environ["SCAPE_CACHE"])
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "scape_train"
+
+
+def available() -> bool:
+    """Whether the C pick is in use on the CPU (compiles it at the first call)."""
+    return _load() is not None
+
+
+def _load() -> ctypes.CDLL | None:
+    """The compiled pick, built once per machine (per source and compiler); ``None``, said once, where
+    no C compiler works."""
+    global _library, _unavailable
+    if _library is not None or _unavailable is not None:
+        return _library
+    with _lock:
+        if _library is None and _unavailable is None:
+            try:
+                _library = _build()
+            except (OSError, subprocess.SubprocessError) as e:
+                _unavailable = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
+                warnings.warn(f"SCAPE: the C top-k could not be built ({_unavailable}); selection='topk' uses "
+                              "torch.topk on the CPU, with the same masks, several times slower. Install a C compiler "
+                              "(or set CC) to use it", stacklevel=4)
+    return _library
+
+
+def _build() -> ctypes.CDLL:
+    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+    if compiler is None:
+        raise OSError(f"no C compiler found ({os.environ.get('CC', 'cc')!r} or 'gcc')")
+    digest = hashlib.sha256("\0".join((SOURCE, compiler, *FLAGS)).encode()).hexdigest()[:16]
+    target = cache_dir() / f"topk_{digest}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # several ranks may build at once
+            source, built = Path(tmp) / "topk.c", Path(tmp) / "topk.so"
+            source.write_text(SOURCE)
+            done = subprocess.run([compiler, *FLAGS, str(source), "-o", str(built), "-lm"], capture_output=True,
+                                  text=True, timeout=120)
+            if done.returncode:
+                raise OSError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
+            os.replace(built, target)
+    library = ctypes.CDLL(str(target))
+    library.scape_topk_rows.restype = ctypes.c_int
+    library.scape_topk_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
+                                        ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                        ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
+    library.scape_age_topk_rows.restype = ctypes.c_int
+    library.scape_age_topk_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                            ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_float,
+                                            ctypes.c_float, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
+                                            ctypes.c_void_p]
+    return library

@@ -1,0 +1,132 @@
+"""The top-k pick is exactly ``torch.topk``'s: on random, tied, short and excluded rows, with and without
+the C radix select, with the score fused into it or stored first."""
+
+import warnings
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from scape_core import rowselect
+from scape_core.layout import FlatLayout
+from scape_core.masks import (
+    INT32_MIN,
+    Mask,
+    age_momentum_score,
+    excluded_key,
+    select,
+    select_age,
+)
+from tests import reference
+
+ROWS = st.sampled_from(["random", "few values", "all equal", "sentinels"])
+
+
+def keys_of(kind: str, rows: int, n: int, g: torch.Generator) -> torch.Tensor:
+    """int32 keys of ``rows`` rows: random bits, three values, one value, or free keys among the
+    selector's sentinels (excluded and padding keys, negative)."""
+    if kind == "random":
+        return torch.randint(-2 ** 31, 2 ** 31 - 1, (rows, n), generator=g, dtype=torch.int64).to(torch.int32)
+    if kind == "few values":
+        return torch.rand(rows, n, generator=g).mul_(3).floor_().view(torch.int32)
+    if kind == "all equal":
+        return torch.zeros(rows, n, dtype=torch.int32)
+    keys = torch.rand(rows, n, generator=g).view(torch.int32).clone()
+    keys[:, ::3] = INT32_MIN  # padding
+    keys[:, 1::4] = excluded_key(keys[:, 1::4].contiguous())
+    return keys
+
+
+def check_is_torch_topk(keys: torch.Tensor, cols: torch.Tensor, k: int) -> None:
+    """``cols`` (ascending) hold the same keys as ``torch.topk`` picks, and among equal keys the lowest columns."""
+    assert cols.shape == (keys.shape[0], k) and cols.dtype == torch.int16
+    assert torch.all(cols[:, 1:] > cols[:, :-1])  # ascending, no column twice
+    ours = keys.gather(1, cols.long()).sort(dim=1).values
+    theirs = keys.topk(k, dim=1).values.sort(dim=1).values
+    assert torch.equal(ours, theirs)
+    kth = theirs[:, :1]  # each row's k-th key: its ties are taken lowest columns first
+    at_kth = (keys == kth).cumsum(1)
+    taken_at_kth = (keys.gather(1, cols.long()) == kth).sum(1, keepdim=True)
+    expected = (keys > kth) | ((keys == kth) & (at_kth <= taken_at_kth))
+    picked = torch.zeros_like(keys, dtype=torch.bool).scatter_(1, cols.long(), True)
+    assert torch.equal(picked, expected)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ROWS, st.integers(1, 9), st.integers(1, 600), st.floats(0.0, 1.0), st.integers(0, 2 ** 31))
+def test_the_pick_is_torch_topks_with_ties_lowest_columns_first(kind, rows, n, share, seed):
+    g = torch.Generator().manual_seed(seed)
+    keys = keys_of(kind, rows, n, g)
+    k = max(1, round(share * n))
+    fast = rowselect.top_columns(keys, k)
+    check_is_torch_topk(keys, fast, k)
+    assert torch.equal(fast, rowselect.reference_columns(keys, k))
+
+
+def test_the_c_pick_is_in_use_on_this_cpu():
+    assert rowselect.available()  # CI has a C compiler: the fast path is the one tested
+
+
+def layout_of(numels: list[int], chunk: int) -> FlatLayout:
+    return FlatLayout({f"p{i}": torch.zeros(n) for i, n in enumerate(numels)}, chunk)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.integers(1, 300), min_size=1, max_size=4), st.sampled_from([16, 64, 128]),
+       st.sampled_from([0.01, 0.1, 0.3, 0.75]), st.booleans(), st.booleans(), st.integers(0, 2 ** 31))
+def test_short_and_excluded_rows_take_the_best_the_fused_score_the_same(numels, chunk, density, excluded, ties, seed):
+    """select(): each row's best (an excluded coordinate only where a row has too few others; a short row's
+    count best first), and select_age() on the same score picks the same columns without storing it."""
+    layout, g = layout_of(numels, chunk), torch.Generator().manual_seed(seed)
+    shape = layout.mask_shape(density)
+    m = torch.randn(layout.rows, chunk, generator=g)
+    if ties:
+        m = m.mul_(2).round_()  # many equal scores, zeros among them
+    windows = torch.randint(0, 40, (layout.rows, chunk), generator=g).float()
+    flushed = Mask(density, select(torch.rand(layout.rows, chunk, generator=g), layout, shape)) if excluded else None
+    for limit in (None, 30):
+        score = age_momentum_score(m, windows, 45, limit)
+        cols = select(score.clone(), layout, shape, flushed)
+        assert torch.equal(select_age(m, windows, 45, limit, layout, shape, flushed), cols)
+        for r in range(layout.rows):
+            full = r not in set(layout.partial_rows.tolist())
+            length = chunk if full else layout.partial_len[layout.partial_rows.tolist().index(r)]
+            count = shape.k if full else shape.partial_counts[layout.partial_rows.tolist().index(r)]
+            picked = cols[r, :count].long()
+            assert torch.all(picked < length)
+            out = None if flushed is None else flushed.cols[r][flushed.cols[r] < length].long().unique()
+            assert reference.topk_violation(score[r, :length].double(), picked, count, out) == 0.0
+    assert torch.equal(select_age(m, None, 45, None, layout, shape, flushed), select(m.abs(), layout, shape, flushed))
+
+
+def test_without_a_compiler_it_says_so_and_picks_the_same_columns(monkeypatch, tmp_path):
+    keys = keys_of("few values", 5, 300, torch.Generator().manual_seed(1))
+    fast = rowselect.top_columns(keys, 40)
+    layout, g = layout_of([300, 45, 7], 64), torch.Generator().manual_seed(2)  # short rows
+    shape = layout.mask_shape(0.1)
+    score = torch.rand(layout.rows, 64, generator=g).mul_(4).floor_()
+    flushed = Mask(0.1, select(torch.rand(layout.rows, 64, generator=g), layout, shape))
+    fast_mask = select(score.clone(), layout, shape, flushed)
+    monkeypatch.setattr(rowselect, "_library", None)
+    monkeypatch.setattr(rowselect, "_unavailable", None)
+    monkeypatch.setenv("CC", "no-such-compiler")
+    monkeypatch.setenv("SCAPE_CACHE", str(tmp_path))
+    monkeypatch.setattr(rowselect.shutil, "which", lambda name: None)
+    with pytest.warns(UserWarning, match="C top-k could not be built.*no C compiler"):
+        slow = rowselect.top_columns(keys, 40)
+    assert torch.equal(slow, fast)
+    assert torch.equal(select(score.clone(), layout, shape, flushed), fast_mask)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # said once
+        assert rowselect.fused_age_columns(torch.ones(2, 8), None, 5, None, 2.0 ** 100, None, 2) is None
+
+
+def test_rows_split_over_threads_pick_the_same(monkeypatch):
+    g = torch.Generator().manual_seed(3)
+    keys = keys_of("few values", 300, 128, g)
+    short = tuple(torch.tensor(v, dtype=torch.int32) for v in ([5, 130, 299], [17, 128, 1], [2, 40, 1]))
+    one = rowselect.top_columns(keys, 20, short)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)  # three parts of 100 rows, one short row in each
+    assert torch.equal(rowselect.top_columns(keys, 20, short), one)
+    assert torch.equal(one, rowselect.reference_columns(keys, 20, short))
