@@ -67,10 +67,11 @@ class ScapeConfig:
             stages (all-to-all, fp32 sum by the segment's owner, all-gather); each rank keeps its
             rounding in its residual (:mod:`scape_core.wire`); the mask takes ``32 / bits`` times
             the coordinates, so the bytes stay ``1 - sparsity``. ``"auto"`` (default): ``"int4"``
-            at ``sparsity >= 0.97``, ``"int8"`` from 0.95, where each measured best at equal bytes
-            (99%: +11% -> about -1% val loss against dense AdamS), ``"native"`` below, where they lost,
-            and ``"native"`` with ``shard_optimizer`` (its masks and updates are all-gathered per
-            coordinate, so more coordinates cost more than the values saved).
+            at ``sparsity >= 0.97``, ``"int8"`` from 0.95, ``"native"`` below (where few enough
+            coordinates are dropped that precision matters more than their count) and with
+            ``shard_optimizer`` (its masks and updates travel per coordinate, so more coordinates cost
+            more than the values save). Choose ``"native"`` for the fewest passes per step (no encode
+            or decode, one collective) when the link is fast enough that bytes matter less.
         wire_block: values per scale of an integer wire (at most; blocks split a segment evenly).
         skip_streak_warning: warn (rank 0, once per streak) when this many consecutive optimizer
             steps were skipped for non-finite gradients: training has stopped moving. Counted on
@@ -79,22 +80,24 @@ class ScapeConfig:
             waiting (so up to 50 steps late). ``0``: never warn.
         kernels: ``"eager"`` (default) runs the passes over every coordinate (the residual, the
             score, the decay and update, dense AdamS) as torch operators; ``"compiled"`` runs them
-            as ``torch.compile``'d fused loops (:mod:`scape_core.kernels`): fewer passes over memory
-            (``docs/benchmarks.md``), at a compile in each process's first steps (2-3 minutes on a 2-core
-            CPU with both ranks compiling, faster from inductor's disk cache).
+            as ``torch.compile``'d fused loops (:mod:`scape_core.kernels`): fewer passes over memory,
+            for a compile in each process's first steps (minutes on a small CPU; inductor keeps the
+            code on disk for the next run). Choose it for long runs on a GPU, where memory traffic is
+            what a sparse step costs.
         replica_check_every: optimizer steps between checks that every rank holds the same replicated
             state (parameters, ``m``, the rule's statistics, windows, scheduled masks): one small all-gather
             of 64-bit fingerprints and one read of the device, at the first step, every this many and before
             every checkpoint is gathered; a mismatch raises on every rank, naming the first buffer and
             parameter that differ (:mod:`scape_core.replicas`). ``0``: never check.
         selection: how a row's ``k`` picks are chosen from the score. ``"topk"`` (default): the
-            ``k`` largest scores of the row (exact). ``"groups"``: the row cut into ``k`` contiguous
-            groups of ``chunk_size // k`` or one more coordinates, and the largest score of each
-            (ties: the lowest column): a reduction instead of a top-k, with ascending columns, several
-            times cheaper on a CPU; through the real hook it trained 1.4% worse at 99% (three corpora x
-            three seeds; worse on every pair off the corpus it was chosen on, ``docs/benchmarks.md``),
-            level at 90%, worse at 99.9%. Both are computed identically on every rank from replicated
-            values, with a fixed number of picks per row (``docs/algorithm.md``).
+            ``k`` largest scores of the row, ties taken lowest columns first (exact; on the CPU a
+            radix select in C, compiled at the first use, :mod:`scape_core.rowselect`). ``"groups"``:
+            the row cut into ``k`` contiguous groups of ``chunk_size // k`` or one more coordinates,
+            and the largest score of each (ties: the lowest column): a reduction instead of a top-k,
+            a little cheaper, but it misses a row's best coordinates when they share a group, and
+            trains worse at high sparsity (``docs/benchmarks.md``). Keep ``"topk"``; ``"groups"`` is
+            for comparison. Both are computed identically on every rank from replicated values, with
+            a fixed number of picks per row (``docs/algorithm.md``).
         max_window: the longest a coordinate waits between two exchanges, in steps, under the
             default age score. A coordinate whose window would pass it is overdue: it is picked before
             every scored one, the longest-waiting first, whatever its momentum, so every coordinate

@@ -472,17 +472,18 @@ class ScapeState(ScapeStateBase):
     - ``warmup_steps``: dense steps first. They fill the momentum the first mask is scored
       from and outlive DDP's bucket rebuild after iteration 1. Tens to hundreds of steps.
     - ``ramp_steps``: after the warm-up, denser masks for a while (25%, 6.25%, 1.6% density),
-      as DGC's sparsity warm-up; the measured largest gain after the update rule.
+      as DGC's sparsity warm-up: a few hundred steps cost little and help quality most.
     - ``update``: ``"linear"`` (default) applies each coordinate's whole synchronized sum,
       ``"lazy"`` (the contract's first reading) one AdamS step per selection.
     - ``mask_delay``: 1 (default) selects each mask a whole step before it is used (off the
       critical path); 0 selects it at the end of the step before (ablation).
-    - ``mask_refresh``: steps between new masks; larger saves selection time.
+    - ``mask_refresh``: steps between new masks; larger saves selection time, but a mask then
+      serves several steps' gradients. Keep 1 unless selection shows in the step's time.
     - ``shard_optimizer``: ZeRO-1: ``m``, statistics and windows for this rank's block of rows
       only, for more bytes per step; bit-identical to the replicated mode.
     - ``kernels``: ``"compiled"`` runs the passes over every coordinate as ``torch.compile``'d
-      fused loops (:mod:`scape_core.kernels`), the mask's pick among them: about a quarter of the
-      memory traffic of a sparse step, for a compile in the first steps. Either way a sparse step
+      fused loops (:mod:`scape_core.kernels`): fewer passes over memory (what a sparse step costs
+      on a GPU), for a compile in the first steps. Either way a sparse step
       dispatches a fixed number of operators whatever the tensors and buckets.
     - ``replica_check_every``: steps between checks that every rank holds the same replicated state
       (:mod:`scape_core.replicas`); 100 by default, 0 never.
