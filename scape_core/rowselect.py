@@ -3,7 +3,7 @@
 Which coordinates win is fixed by the keys alone: the ``k`` largest int32 keys of each row, ties at
 the row's ``k``-th key taken lowest columns first, the columns returned in ascending order. That is
 ``torch.topk`` over keys made unique by their column (:func:`reference_columns`, the definition the
-tests hold every path to), and it makes a mask the same on every rank, device and path.
+tests hold the CPU's paths to), so a mask is the same on every rank and path.
 
 On the CPU a per-row radix select in C does it (:data:`SOURCE`): a histogram of the keys' top 11
 bits finds the bucket of the ``k``-th key, two more over that bucket's keys find the key itself,
@@ -12,7 +12,9 @@ passes over a row that stays in cache, against ``torch.topk``'s quickselect over
 pairs and a sort for the ascending order: ``docs/benchmarks.md`` has the costs. It is compiled at
 the first use with the system's C compiler (``$CC``, else ``cc``) into a per-user cache, once per
 machine. Where none works it says so once and :func:`reference_columns` picks the same columns,
-slower. Elsewhere (CUDA) :func:`reference_columns` runs: ``torch.topk`` is a radix select there.
+slower. On CUDA ``torch.topk`` (itself a radix select there) picks over the int32 keys, half the bytes
+of unique ones: the same columns but where a row has ties at its ``k``-th key, deterministic and the
+same on every rank.
 """
 
 from __future__ import annotations
@@ -148,7 +150,7 @@ FLAGS = ("-O3", "-shared", "-fPIC", "-std=c99", "-fno-strict-aliasing")
 _lock = threading.Lock()
 _library: ctypes.CDLL | None = None
 _unavailable: str | None = None  # why the C pick is not used (said once)
-_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_pool: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None  # (pid, pool)
 
 
 def unique_keys(keys: Tensor) -> Tensor:
@@ -166,11 +168,13 @@ def unique_keys(keys: Tensor) -> Tensor:
 Short = tuple[Tensor, Tensor, Tensor]  # a block's shorter rows: their rows (ascending), lengths and counts, int32
 
 
-def reference_columns(keys: Tensor, k: int, short: Short | None = None) -> Tensor:
+def reference_columns(keys: Tensor, k: int, short: Short | None = None, unique: bool = True) -> Tensor:
     """The columns of each row's ``k`` largest int32 ``keys``, ties lowest columns first, ascending
     (``(rows, k)`` int16): ``torch.topk`` over :func:`unique_keys`, sorted. ``short``: rows that take
     their ``count`` best among their first ``length`` columns, the other slots holding the last column
-    (a parameter's shorter last row: its picks, then its padding).
+    (a parameter's shorter last row: its picks, then its padding). ``unique=False``: ``torch.topk`` over
+    the int32 keys themselves, its own choice among ties at the ``k``-th key (what CUDA runs: a radix
+    select over half the bytes).
 
     Example:
         >>> reference_columns(torch.tensor([[5, 1, 5, 7, 5]], dtype=torch.int32), 3).tolist()
@@ -179,21 +183,23 @@ def reference_columns(keys: Tensor, k: int, short: Short | None = None) -> Tenso
         >>> reference_columns(torch.tensor([[5, 1, 5, 7, 5]], dtype=torch.int32), 3, (one, one + 3, one + 2)).tolist()
         [[0, 2, 4]]
     """
-    unique = unique_keys(keys)
-    cols = unique.topk(k, dim=1, sorted=False).indices.sort(dim=1).values.to(torch.int16)
+    ranked = unique_keys(keys) if unique else keys
+    cols = ranked.topk(k, dim=1, sorted=False).indices.sort(dim=1).values.to(torch.int16)
     if short is None or not short[0].numel():
         return cols
     rows, lengths, counts = (t.to(keys.device).long() for t in short)
     n = keys.shape[1]
     beyond = torch.arange(n, device=keys.device) >= lengths[:, None]
-    best = unique.index_select(0, rows).masked_fill_(beyond, torch.iinfo(torch.int64).min).topk(k, dim=1).indices
+    lowest = torch.iinfo(ranked.dtype).min
+    best = ranked.index_select(0, rows).masked_fill_(beyond, lowest).topk(k, dim=1).indices
     slots = torch.arange(k, device=keys.device) >= counts[:, None]
     return cols.index_copy_(0, rows, best.masked_fill_(slots, n - 1).sort(dim=1).values.to(torch.int16))
 
 
 def top_columns(keys: Tensor, k: int, short: Short | None = None) -> Tensor:
-    """:func:`reference_columns`, fast: the C radix select on the CPU (rows split over torch's threads),
-    ``torch.topk`` elsewhere. ``keys``: ``(rows, n)`` int32, rows contiguous.
+    """:func:`reference_columns`, fast: on the CPU the C radix select (rows split over torch's threads;
+    without a C compiler the reference, the same columns); elsewhere ``torch.topk`` over the int32 keys,
+    whose choice among ties at a row's ``k``-th key is its own. ``keys``: ``(rows, n)`` int32, rows contiguous.
 
     Example:
         >>> keys = torch.tensor([[3, 9, 9, 1], [0, 0, 0, 0]], dtype=torch.int32)
@@ -201,8 +207,10 @@ def top_columns(keys: Tensor, k: int, short: Short | None = None) -> Tensor:
         [[1, 2], [0, 1]]
     """
     n = keys.shape[1]
-    if (keys.device.type != "cpu" or keys.dtype != torch.int32 or not 0 < k <= n or n > 32768
-            or keys.stride(1) != 1 or not _fits(short) or _load() is None):
+    if keys.device.type != "cpu":
+        return reference_columns(keys, k, short, unique=False)
+    if (keys.dtype != torch.int32 or not 0 < k <= n or n > 32768 or keys.stride(1) != 1 or not _fits(short)
+            or _load() is None):
         return reference_columns(keys, k, short)
     return torch.ops.scape.top_columns(keys, k, *(short or (None, None, None)))
 
@@ -295,11 +303,13 @@ def _by_rows(out: Tensor, run: Callable[[int, int], int]) -> Tensor:
 
 
 def _threads() -> concurrent.futures.ThreadPoolExecutor:
+    """The pool the rows are split over, one per process (a forked child makes its own: its parent's
+    threads do not exist there)."""
     global _pool
-    if _pool is None:
-        _pool = concurrent.futures.ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1),
-                                                      thread_name_prefix="scape-topk")
-    return _pool
+    if _pool is None or _pool[0] != os.getpid():
+        _pool = (os.getpid(), concurrent.futures.ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1),
+                                                                    thread_name_prefix="scape-topk"))
+    return _pool[1]
 
 
 def cache_dir() -> Path:

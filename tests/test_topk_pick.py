@@ -130,3 +130,28 @@ def test_rows_split_over_threads_pick_the_same(monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: 3)  # three parts of 100 rows, one short row in each
     assert torch.equal(rowselect.top_columns(keys, 20, short), one)
     assert torch.equal(one, rowselect.reference_columns(keys, 20, short))
+
+
+def test_a_forked_child_splits_rows_over_its_own_threads(monkeypatch):
+    import multiprocessing
+
+    keys = keys_of("random", 300, 64, torch.Generator().manual_seed(4))
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    want = rowselect.top_columns(keys, 9)  # the parent's pool exists now
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(1) as pool:  # the child's pool is its own: the parent's threads do not exist there
+        got = pool.apply_async(rowselect.top_columns, (keys, 9)).get(timeout=60)
+    assert torch.equal(got, want)
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.integers(1, 9), st.integers(2, 300), st.floats(0.0, 1.0), st.integers(0, 2 ** 31))
+def test_the_device_pick_takes_the_same_columns_where_no_ties_meet_the_kth(rows, n, share, seed):
+    """What CUDA runs (torch.topk over the int32 keys), run here: the same columns as the CPU's pick on
+    distinct keys, shorter rows included."""
+    g = torch.Generator().manual_seed(seed)
+    keys = torch.randperm(rows * n, generator=g).view(rows, n).to(torch.int32)  # distinct
+    k = max(1, round(share * n))
+    short = tuple(torch.tensor(v, dtype=torch.int32) for v in ([rows - 1], [max(1, n // 2)], [max(1, min(k, n // 4))]))
+    for s in (None, short):
+        assert torch.equal(rowselect.reference_columns(keys, k, s, unique=False), rowselect.top_columns(keys, k, s))
