@@ -9,7 +9,7 @@ the machine runs), median of ``--repeats``, interleaved. Rows:
 
     topk            the default: the C radix select, the score computed inside it (no stored score)
     topk, torch     the same columns through torch: the score stored, then torch.topk over keys made
-                    unique by column, sorted (what runs without a C compiler, and on CUDA)
+                    unique by column, sorted (what runs without a C compiler)
     groups          selection="groups": the score stored, then one argmax per group
 
     python benchmarks/selection_bench.py                  # 25M parameters, ~1 minute
