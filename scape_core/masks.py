@@ -2,7 +2,8 @@
 
 A :class:`Mask` holds, for every row of the :class:`~scape_core.layout.FlatLayout`, ``k``
 chunk-local columns (int16): the coordinates the step exchanges. Selection scores every
-coordinate at once on a ``(rows, chunk)`` view and takes one batched ``topk`` per row; the
+coordinate on a ``(rows, chunk)`` view and takes each row's ``k`` best in one batched pick
+(:mod:`scape_core.rowselect`; on the CPU the default score is computed inside it); the
 mask exchanged at the step before is excluded (its coordinates are being flushed), padding
 columns rank last. With a replicated score (``|m| (n - 1)``, the default) every rank selects
 the whole mask itself; a score that reads the rank's residual is computed per partition of
@@ -20,8 +21,8 @@ from torch import Tensor
 from scape_core import rowselect
 from scape_core.layout import FlatLayout, MaskShape
 
-# fp32 scores are ranked by their bits as int32 (the same order for every score >= 0, and a faster top-k on
-# the CPU: 32 ms instead of 44 for 10M scores at k = 41); an excluded key is its bits or-ed with INT32_MIN
+# fp32 scores are ranked by their bits as int32 (the same order for every score >= 0: what the radix select
+# of scape_core.rowselect reads); an excluded key is its bits or-ed with INT32_MIN
 # (negative: after every free one, and the excluded keep their order among themselves, so a row short of free
 # coordinates takes the best of them), at least INT32_MIN + 1, so that padding (INT32_MIN) ranks last
 EXCLUDED, PADDING = -1.0, -2.0  # float scores are >= 0: excluded coordinates rank after every free one, padding last

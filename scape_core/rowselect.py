@@ -23,6 +23,7 @@ import concurrent.futures
 import ctypes
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -347,7 +348,8 @@ def _build() -> ctypes.CDLL:
     compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
     if compiler is None:
         raise OSError(f"no C compiler found ({os.environ.get('CC', 'cc')!r} or 'gcc')")
-    digest = hashlib.sha256("\0".join((SOURCE, compiler, *FLAGS)).encode()).hexdigest()[:16]
+    # per machine kind too: a home directory shared by x86 and ARM nodes keeps one build of each
+    digest = hashlib.sha256("\0".join((SOURCE, compiler, platform.machine(), *FLAGS)).encode()).hexdigest()[:16]
     target = cache_dir() / f"topk_{digest}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)

@@ -23,8 +23,8 @@ from scape_core.kernels import Kernels
 from scape_core.layout import FlatLayout, MaskShape
 from scape_core.masks import SELECTIONS, Mask, age_momentum_score, momentum_residual_score, select_age, strided
 
-# the CPU scores (and top-k's) 1M values at a time: a 4 MB scratch at any model size instead of 4 B per
-# parameter, and no slower (25M scores at k = 41: 130-153 ms in blocks of 256 rows, 133-168 ms at once)
+# the CPU scores and picks 1M values at a time: where a score is stored (groups, the residual's score), a 4 MB
+# scratch at any model size instead of 4 B per parameter, and no slower than the whole layout at once
 CPU_SCORE_VALUES = 2 ** 20
 
 
