@@ -8,7 +8,8 @@ dense DDP + AdamS and with SCAPE (90%, 99%), interleaved. SCAPE's pieces are tim
                 launch the all-reduce; plus finish (the residual update, the mean scattered
                 back), which runs in gloo's callback thread
     selection   MaskSelector.choose: score and top-k (and, for scores that read the
-                residual, launch the mask all-gather); plus finish_pending: wait for it
+                residual, launch the mask all-gather); plus finish_pending: wait for it.
+                The top-k's C pick on the CPU scores inside it: its time is all "topk"
     optimizer   the update itself (ScapeAdamS._sparse, or AdamS.step for dense)
     wire        an encoded wire's passes (encode, the owner's mean, decode; inside the hook)
 
@@ -108,6 +109,7 @@ def instrument() -> None:
         slot = types.SimpleNamespace(fn=fn)
         TIMER.wrap(slot, "fn", "topk")
         masks.SELECTIONS[rule] = slot.fn
+    TIMER.wrap(selection, "select_age", "topk")  # the top-k's C pick on the CPU: its score is computed inside
     TIMER.wrap(selection.MaskSelector, "choose", "select")
     TIMER.wrap(selection.MaskSelector, "finish_pending", "mask_wait")
     TIMER.wrap(state.ScapeState, "end_step", "end_step")
