@@ -27,7 +27,6 @@ from scape_core.layout import FlatLayout, MaskShape
 # coordinates takes the best of them), at least INT32_MIN + 1, so that padding (INT32_MIN) ranks last
 EXCLUDED, PADDING = -1.0, -2.0  # float scores are >= 0: excluded coordinates rank after every free one, padding last
 INT32_MIN = -2 ** 31
-PADDING_KEY = INT32_MIN
 # the age score reads an overdue coordinate's |m| (a window past ScapeConfig.max_window) as OVERDUE: it scores
 # OVERDUE (n - 1), above every other coordinate whose |m| is below it, the longest-waiting first (exact in fp32)
 OVERDUE_EXPONENT = 100

@@ -210,8 +210,7 @@ def top_columns(keys: Tensor, k: int, short: Short | None = None) -> Tensor:
     n = keys.shape[1]
     if keys.device.type != "cpu":
         return reference_columns(keys, k, short, unique=False)
-    if (keys.dtype != torch.int32 or not 0 < k <= n or n > 32768 or keys.stride(1) != 1 or not _fits(short)
-            or _load() is None):
+    if keys.dtype != torch.int32 or keys.stride(1) != 1 or not _c_picks(n, k, short):
         return reference_columns(keys, k, short)
     return torch.ops.scape.top_columns(keys, k, *(short or (None, None, None)))
 
@@ -234,17 +233,19 @@ def fused_age_columns(m: Tensor, windows: Tensor | None, target: int, max_window
     tensors = [t for t in (m, windows, excluded) if t is not None]
     if (m.device.type != "cpu" or m.dtype != torch.float32 or (windows is not None and windows.dtype != m.dtype)
             or (excluded is not None and excluded.dtype != torch.int16) or not all(t.is_contiguous() for t in tensors)
-            or not 0 < k <= n or n > 32768 or not _fits(short) or _load() is None):
+            or not _c_picks(n, k, short)):
         return None
     limit = max_window is not None and windows is not None
     return torch.ops.scape.age_columns(m, windows, float(target - 1), limit, float(target - max_window) if limit
                                        else 0.0, float(overdue), excluded, k, *(short or (None, None, None)))
 
 
-def _fits(short: Short | None) -> bool:
-    """Whether ``short`` is absent, or three contiguous int32 CPU tensors of one length (what C reads)."""
-    return short is None or all(t.dtype == torch.int32 and t.is_contiguous() and t.device.type == "cpu"
+def _c_picks(n: int, k: int, short: Short | None) -> bool:
+    """Whether the C pick takes ``k`` of rows of ``n`` with these shorter rows: ``0 < k <= n <= 32768`` (int16
+    columns), ``short`` absent or three contiguous int32 CPU tensors of one length, and the pick built."""
+    fits = short is None or all(t.dtype == torch.int32 and t.is_contiguous() and t.device.type == "cpu"
                                 and t.shape == short[0].shape for t in short)
+    return 0 < k <= n <= 32768 and fits and _load() is not None
 
 
 # The C picks as torch operators (CPU only): a dispatch mode (benchmarks/traffic_bench.py, op_count.py) sees each

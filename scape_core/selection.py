@@ -204,19 +204,21 @@ class MaskSelector:
         and ``windows`` are given (those rows only): scored and selected a block at a time."""
         picked = []
         limit = self.window_limit(shape)  # None for a score without windows: no overdue scratch either
+        kind = self.config.resolved_score
+        fused = self.config.selection == "topk" and kind in ("age_momentum", "momentum")  # the C pick scores, CPU
         blocks = self.blocks(rows)  # one but on the CPU
         for block in blocks:
             at = slice(block.start - rows.start, block.stop - rows.start)  # the block's rows in the buffers given
             part = (lambda t: t) if len(blocks) == 1 else (lambda t: t[at])  # no view of all of them
             e = None if residual is None else part(residual)
             w = None if windows is None else part(windows)
-            if self.config.selection == "topk" and self.config.resolved_score in ("age_momentum", "momentum"):
-                cols = select_age(part(m), w if self.config.resolved_score == "age_momentum" else None, target,
-                                  limit, self.layout, shape, scheduled, block)  # no stored score, on the CPU
+            if fused:
+                cols = select_age(part(m), w if kind == "age_momentum" else None, target, limit, self.layout, shape,
+                                  scheduled, block)
                 if cols is not None:
                     picked.append(cols)
                     continue
-            s = score(self.config.resolved_score, part(m), e, w, target, beta1,
+            s = score(kind, part(m), e, w, target, beta1,
                       out=self.workspace(block.stop - block.start), kernels=self.kernels,
                       max_window=limit, late=None if limit is None else self.workspace(block.stop - block.start, True))
             picked.append(SELECTIONS[self.config.selection](s, self.layout, shape, scheduled, block))

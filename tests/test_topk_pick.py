@@ -9,7 +9,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from scape_core import rowselect
-from scape_core.layout import FlatLayout
 from scape_core.masks import (
     INT32_MIN,
     Mask,
@@ -19,6 +18,7 @@ from scape_core.masks import (
     select_age,
 )
 from tests import reference
+from tests.test_masks import layout_of
 
 ROWS = st.sampled_from(["random", "few values", "all equal", "sentinels"])
 
@@ -66,10 +66,6 @@ def test_the_pick_is_torch_topks_with_ties_lowest_columns_first(kind, rows, n, s
 
 def test_the_c_pick_is_in_use_on_this_cpu():
     assert rowselect.available()  # CI has a C compiler: the fast path is the one tested
-
-
-def layout_of(numels: list[int], chunk: int) -> FlatLayout:
-    return FlatLayout({f"p{i}": torch.zeros(n) for i, n in enumerate(numels)}, chunk)
 
 
 @settings(max_examples=40, deadline=None)
