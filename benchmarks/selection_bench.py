@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script from anywhere
 
 from benchmarks.bench_common import GPT, RESULTS, core_version, machine  # noqa: E402
-from scape_core import rowselect  # noqa: E402
+from scape_core import native  # noqa: E402
 from scape_core.config import ScapeConfig  # noqa: E402
 from scape_core.layout import FlatLayout  # noqa: E402
 from scape_core.selection import MaskSelector  # noqa: E402
@@ -62,7 +62,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(0)
     m = torch.randn(layout.rows, layout.chunk, generator=g)
     windows = torch.randint(60, 100, (layout.rows, layout.chunk), generator=g).float()
-    assert rowselect.available(), "no C compiler: the default's C pick is what this measures"
+    assert native.available(), "no C compiler: the default's C pick is what this measures"
     cases = {}
     for setting, fields in SETTINGS.items():
         for row, extra in ROWS.items():
@@ -76,12 +76,12 @@ def main() -> None:
     for _ in range(args.repeats):  # interleaved
         for (setting, row), run in cases.items():
             if row == "topk, torch":
-                saved, rowselect._library = rowselect._library, None
-                rowselect._unavailable = "measured"
+                saved, native._library = native._library, None
+                native._unavailable = "measured"
                 try:
                     times[(setting, row)] += cpu_ms(run, 1)
                 finally:
-                    rowselect._library, rowselect._unavailable = saved, None
+                    native._library, native._unavailable = saved, None
             else:
                 times[(setting, row)] += cpu_ms(run, 1)
     params = sum(q.numel() for q in model.parameters())

@@ -9,38 +9,26 @@ On the CPU a per-row radix select in C does it (:data:`SOURCE`): a histogram of 
 bits finds the bucket of the ``k``-th key, two more over that bucket's keys find the key itself,
 and one pass over the row writes the columns above it and the first ties, in column order. Four
 passes over a row that stays in cache, against ``torch.topk``'s quickselect over (key, index)
-pairs and a sort for the ascending order: ``docs/benchmarks.md`` has the costs. It is compiled at
-the first use with the system's C compiler (``$CC``, else ``cc``) into a per-user cache, once per
-machine. Where none works it says so once and :func:`reference_columns` picks the same columns,
-slower. On CUDA ``torch.topk`` (itself a radix select there) picks over the int32 keys, half the bytes
-of unique ones: the same columns but where a row has ties at its ``k``-th key, deterministic and the
-same on every rank.
+pairs and a sort for the ascending order: ``docs/benchmarks.md`` has the costs. It is built at
+the first use with the system's C compiler (:mod:`scape_core.native`). Where none works
+:func:`reference_columns` picks the same columns, slower. On CUDA ``torch.topk`` (itself a radix select
+there) picks over the int32 keys, half the bytes of unique ones: the same columns but where a row has
+ties at its ``k``-th key, deterministic and the same on every rank.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import ctypes
-import hashlib
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
-import threading
-import warnings
-from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 from torch import Tensor
 
-SOURCE = r"""
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
-#include <math.h>
+from scape_core import native
 
+SOURCE = r"""
 /* int32 keys in unsigned order */
 static inline uint32_t ord(int32_t x) { return (uint32_t)x ^ 0x80000000u; }
 
@@ -52,17 +40,22 @@ static int top_bucket(const uint32_t *hist, int bins, int64_t *need) {
     return b;
 }
 
-static void select_row(const int32_t *x, int64_t n, int64_t k, int16_t *out, uint32_t *cand) {
+static uint32_t select_row(const int32_t *x, int64_t n, int64_t k, int16_t *out, uint32_t *cand) {
     uint32_t hist[4][2048], sum[2048];
     int64_t need = k, m = 0, ties;
-    memset(hist, 0, sizeof hist);
     int64_t j = 0;
-    for (; j + 4 <= n; j += 4) {  /* four histograms: no chain of increments on one bin */
-        hist[0][ord(x[j]) >> 21]++; hist[1][ord(x[j + 1]) >> 21]++;
-        hist[2][ord(x[j + 2]) >> 21]++; hist[3][ord(x[j + 3]) >> 21]++;
+    if (n >= 2048) {  /* four histograms: no chain of increments on one bin */
+        memset(hist, 0, sizeof hist);
+        for (; j + 4 <= n; j += 4) {
+            hist[0][ord(x[j]) >> 21]++; hist[1][ord(x[j + 1]) >> 21]++;
+            hist[2][ord(x[j + 2]) >> 21]++; hist[3][ord(x[j + 3]) >> 21]++;
+        }
+        for (; j < n; j++) hist[0][ord(x[j]) >> 21]++;
+        for (int b = 0; b < 2048; b++) sum[b] = hist[0][b] + hist[1][b] + hist[2][b] + hist[3][b];
+    } else {  /* a few keys (a hinted pick's): one histogram, a quarter of the clearing */
+        memset(sum, 0, sizeof sum);
+        for (; j < n; j++) sum[ord(x[j]) >> 21]++;
     }
-    for (; j < n; j++) hist[0][ord(x[j]) >> 21]++;
-    for (int b = 0; b < 2048; b++) sum[b] = hist[0][b] + hist[1][b] + hist[2][b] + hist[3][b];
     uint32_t high = (uint32_t)top_bucket(sum, 2048, &need);
     for (j = 0; j < n; j++) { uint32_t u = ord(x[j]); cand[m] = u; m += (u >> 21) == high; }
     memset(sum, 0, sizeof sum);
@@ -80,18 +73,59 @@ static void select_row(const int32_t *x, int64_t n, int64_t k, int16_t *out, uin
         if (u > t) out[c++] = (int16_t)j;
         else if (u == t && ties > 0) { out[c++] = (int16_t)j; ties--; }
     }
+    return t;
 }
+
+/* Scratch for one row's pick: the radix select's candidates; the hinted pick's keys, their columns and their
+   positions picked. */
+typedef struct { uint32_t *cand; int32_t *keys; int16_t *cols, *at; } Scratch;
+
+#define HINT_MARGIN (1u << 20)  /* a key's bits less this: 0.88 to 0.94 times its value, for scores >= 0 */
+
+/* select_row, faster where `*hint` is a bound at or below the row's k-th key: the keys >= it gathered with their
+   columns in one pass and the radix select run on those alone. Exact whatever the hint: when fewer than k keys
+   are >= it, the whole row is selected. `*hint` becomes this row's k-th key less HINT_MARGIN (0: no hint), the
+   next pick's bound: a row's k-th score moves little from one step to the next. */
+static void hinted_row(const int32_t *x, int64_t n, int64_t k, int16_t *out, Scratch *s, uint32_t *hint) {
+    uint32_t lo = *hint, t;
+    int64_t m = 0;
+    if (lo) {
+        for (int64_t j = 0; j < n; j++) {
+            int32_t v = x[j];
+            s->keys[m] = v; s->cols[m] = (int16_t)j; m += ord(v) >= lo;
+        }
+    }
+    if (lo && m >= k) {  /* the k largest are all gathered, ties at the k-th included (they are >= lo too) */
+        t = select_row(s->keys, m, k, s->at, s->cand);
+        for (int64_t i = 0; i < k; i++) out[i] = s->cols[s->at[i]];
+    } else {
+        t = select_row(x, n, k, out, s->cand);
+    }
+    *hint = t > HINT_MARGIN ? t - HINT_MARGIN : 0;
+}
+
+static int scratch(Scratch *s, int64_t n) {
+    s->cand = (uint32_t *)malloc((size_t)n * sizeof(uint32_t));
+    s->keys = (int32_t *)malloc((size_t)n * sizeof(int32_t));
+    s->cols = (int16_t *)malloc((size_t)n * sizeof(int16_t));
+    s->at = (int16_t *)malloc((size_t)n * sizeof(int16_t));
+    return s->cand && s->keys && s->cols && s->at;
+}
+
+static void release(Scratch *s) { free(s->cand); free(s->keys); free(s->cols); free(s->at); }
 
 /* Row r takes its k best among its n columns, but a shorter row (short[p] == row0 + r, ascending) takes its
    counts[p] best among its first lens[p], ascending; the other slots hold column n - 1 (its padding). */
 typedef struct { const int32_t *rows, *lens, *counts; int64_t n, next; } Short;
 
-static void pick_row(const int32_t *x, Short *sh, int64_t row, int64_t n, int64_t k, int16_t *out, uint32_t *cand) {
+static void pick_row(const int32_t *x, Short *sh, int64_t row, int64_t n, int64_t k, int16_t *out, Scratch *s,
+                     uint32_t *hint) {
     int64_t len = n, count = k;
     while (sh->next < sh->n && sh->rows[sh->next] < row) sh->next++;
     if (sh->next < sh->n && sh->rows[sh->next] == row) { len = sh->lens[sh->next]; count = sh->counts[sh->next]; }
     if (count > len) count = len;
-    if (count > 0) select_row(x, len, count, out, cand);
+    if (count > 0 && hint) hinted_row(x, len, count, out, s, hint);
+    else if (count > 0) select_row(x, len, count, out, s->cand);
     for (int64_t i = count < 0 ? 0 : count; i < k; i++) out[i] = (int16_t)(n - 1);
 }
 
@@ -100,25 +134,26 @@ int scape_topk_rows(const int32_t *keys, int64_t rows, int64_t n, int64_t stride
                     const int32_t *short_rows, const int32_t *lens, const int32_t *counts, int64_t n_short,
                     int16_t *out) {
     if (k < 1 || k > n || n > 32768) return 1;
-    uint32_t *cand = (uint32_t *)malloc((size_t)n * sizeof(uint32_t));
-    if (!cand) return 2;
+    Scratch s;
+    if (!scratch(&s, n)) { release(&s); return 2; }
     Short sh = {short_rows, lens, counts, n_short, 0};
-    for (int64_t r = 0; r < rows; r++) pick_row(keys + r * stride, &sh, row0 + r, n, k, out + r * k, cand);
-    free(cand);
+    for (int64_t r = 0; r < rows; r++) pick_row(keys + r * stride, &sh, row0 + r, n, k, out + r * k, &s, NULL);
+    release(&s);
     return 0;
 }
 
 /* The age score's pick without a stored score: row by row, the keys of |(w - t1) * late| (late: OVERDUE
    where w < before and a limit is set, else m; |m| without windows), the excluded columns moved below
-   every free key, then pick_row. The fp32 arithmetic of scape_core.masks.age_momentum_score. */
+   every free key, then pick_row. The fp32 arithmetic of scape_core.masks.age_momentum_score. `hint`: one bound
+   per row (hinted_row), or NULL. */
 int scape_age_topk_rows(const float *m, const float *w, int64_t rows, int64_t n, int64_t k, float t1,
                         int has_limit, float before, float overdue, const int16_t *excluded, int64_t k_ex,
                         int64_t row0, const int32_t *short_rows, const int32_t *lens, const int32_t *counts,
-                        int64_t n_short, int16_t *out) {
+                        int64_t n_short, uint32_t *hint, int16_t *out) {
     if (k < 1 || k > n || n > 32768) return 1;
-    uint32_t *cand = (uint32_t *)malloc((size_t)n * sizeof(uint32_t));
+    Scratch s;
     int32_t *keys = (int32_t *)malloc((size_t)n * sizeof(int32_t));
-    if (!cand || !keys) { free(cand); free(keys); return 2; }
+    if (!scratch(&s, n) || !keys) { release(&s); free(keys); return 2; }
     Short sh = {short_rows, lens, counts, n_short, 0};
     for (int64_t r = 0; r < rows; r++) {
         const float *mr = m + r * n;
@@ -140,18 +175,22 @@ int scape_age_topk_rows(const float *m, const float *w, int64_t rows, int64_t n,
                 keys[c] = e < -2147483647 ? -2147483647 : e;
             }
         }
-        pick_row(keys, &sh, row0 + r, n, k, out + r * k, cand);
+        pick_row(keys, &sh, row0 + r, n, k, out + r * k, &s, hint ? hint + r : NULL);
     }
-    free(cand); free(keys);
+    release(&s); free(keys);
     return 0;
 }
 """
 
-FLAGS = ("-O3", "-shared", "-fPIC", "-std=c99", "-fno-strict-aliasing")
-_lock = threading.Lock()
-_library: ctypes.CDLL | None = None
-_unavailable: str | None = None  # why the C pick is not used (said once)
 _pool: tuple[int, concurrent.futures.ThreadPoolExecutor] | None = None  # (pid, pool)
+_hints: dict[tuple[int, ...], Tensor] = {}  # _hint's bounds, by block of the momentum and k
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+native.register(SOURCE, {
+    "scape_topk_rows": (ctypes.c_int, [_PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I64, _PTR]),
+    "scape_age_topk_rows": (ctypes.c_int, [_PTR, _PTR, _I64, _I64, _I64, ctypes.c_float, ctypes.c_int,
+                                           ctypes.c_float, ctypes.c_float, _PTR, _I64, _I64, _PTR, _PTR, _PTR,
+                                           _I64, _PTR, _PTR]),
+})
 
 
 def unique_keys(keys: Tensor) -> Tensor:
@@ -237,7 +276,21 @@ def fused_age_columns(m: Tensor, windows: Tensor | None, target: int, max_window
         return None
     limit = max_window is not None and windows is not None
     return torch.ops.scape.age_columns(m, windows, float(target - 1), limit, float(target - max_window) if limit
-                                       else 0.0, float(overdue), excluded, k, *(short or (None, None, None)))
+                                       else 0.0, float(overdue), excluded, k, *(short or (None, None, None)),
+                                       _hint(m, k))
+
+
+def _hint(m: Tensor, k: int) -> Tensor:
+    """Per row of ``m`` (a block of the momentum, which stays in place from step to step), a bound at or below
+    its last pick's ``k``-th key: the C pick gathers the keys above it and selects among those alone (exact
+    whatever the bound: a row with fewer keys above it is selected whole)."""
+    key = (m.data_ptr(), *m.shape, k)
+    found = _hints.get(key)
+    if found is None:
+        if len(_hints) > 4096:  # buffers made anew (a resume, another model): their blocks' hints go
+            _hints.clear()
+        found = _hints[key] = torch.zeros(m.shape[0], dtype=torch.int32)
+    return found
 
 
 def _c_picks(n: int, k: int, short: Short | None) -> bool:
@@ -245,7 +298,7 @@ def _c_picks(n: int, k: int, short: Short | None) -> bool:
     columns), ``short`` absent or three contiguous int32 CPU tensors of one length, and the pick built."""
     fits = short is None or all(t.dtype == torch.int32 and t.is_contiguous() and t.device.type == "cpu"
                                 and t.shape == short[0].shape for t in short)
-    return 0 < k <= n <= 32768 and fits and _load() is not None
+    return 0 < k <= n <= 32768 and fits and native.library() is not None
 
 
 # The C picks as torch operators (CPU only): a dispatch mode (benchmarks/traffic_bench.py, op_count.py) sees each
@@ -255,23 +308,23 @@ def _top_columns_op(keys: Tensor, k: int, short_rows: Optional[Tensor], lengths:
                     counts: Optional[Tensor]) -> Tensor:
     rows, n = keys.shape
     out = torch.empty(rows, k, dtype=torch.int16)
-    library, n_short = _load(), 0 if short_rows is None else short_rows.numel()
+    library, n_short = native.library(), 0 if short_rows is None else short_rows.numel()
     return _by_rows(out, lambda lo, hi: library.scape_topk_rows(
         _at(keys, lo), hi - lo, n, keys.stride(0), k, lo, _at(short_rows, 0), _at(lengths, 0), _at(counts, 0),
         n_short, _at(out, lo)))
 
 
-@torch.library.custom_op("scape::age_columns", mutates_args=(), device_types="cpu")
+@torch.library.custom_op("scape::age_columns", mutates_args=("hint",), device_types="cpu")
 def _age_columns_op(m: Tensor, windows: Optional[Tensor], t1: float, limit: bool, before: float, overdue: float,
                     excluded: Optional[Tensor], k: int, short_rows: Optional[Tensor], lengths: Optional[Tensor],
-                    counts: Optional[Tensor]) -> Tensor:
+                    counts: Optional[Tensor], hint: Optional[Tensor]) -> Tensor:
     rows, n = m.shape
     out = torch.empty(rows, k, dtype=torch.int16)
     k_ex = 0 if excluded is None else excluded.shape[1]
-    library, n_short = _load(), 0 if short_rows is None else short_rows.numel()
+    library, n_short = native.library(), 0 if short_rows is None else short_rows.numel()
     return _by_rows(out, lambda lo, hi: library.scape_age_topk_rows(
         _at(m, lo), _at(windows, lo), hi - lo, n, k, t1, int(limit), before, overdue, _at(excluded, lo), k_ex,
-        lo, _at(short_rows, 0), _at(lengths, 0), _at(counts, 0), n_short, _at(out, lo)))
+        lo, _at(short_rows, 0), _at(lengths, 0), _at(counts, 0), n_short, _at(hint, lo), _at(out, lo)))
 
 
 @_top_columns_op.register_fake
@@ -283,7 +336,7 @@ def _(keys: Tensor, k: int, short_rows: Optional[Tensor], lengths: Optional[Tens
 @_age_columns_op.register_fake
 def _(m: Tensor, windows: Optional[Tensor], t1: float, limit: bool, before: float, overdue: float,
       excluded: Optional[Tensor], k: int, short_rows: Optional[Tensor], lengths: Optional[Tensor],
-      counts: Optional[Tensor]) -> Tensor:
+      counts: Optional[Tensor], hint: Optional[Tensor]) -> Tensor:
     return m.new_empty(m.shape[0], k, dtype=torch.int16)
 
 
@@ -312,65 +365,3 @@ def _threads() -> concurrent.futures.ThreadPoolExecutor:
         _pool = (os.getpid(), concurrent.futures.ThreadPoolExecutor(max_workers=max(1, os.cpu_count() or 1),
                                                                     thread_name_prefix="scape-topk"))
     return _pool[1]
-
-
-def cache_dir() -> Path:
-    """Where the compiled pick is kept: ``$SCAPE_CACHE``, else ``$XDG_CACHE_HOME/scape_train``, else
-    ``~/.cache/scape_train``."""
-    if os.environ.get("SCAPE_CACHE"):
-        return Path(os.environ["SCAPE_CACHE"])
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "scape_train"
-
-
-def available() -> bool:
-    """Whether the C pick is in use on the CPU (compiles it at the first call)."""
-    return _load() is not None
-
-
-def _load() -> ctypes.CDLL | None:
-    """The compiled pick, built once per machine (per source and compiler); ``None``, said once, where
-    no C compiler works."""
-    global _library, _unavailable
-    if _library is not None or _unavailable is not None:
-        return _library
-    with _lock:
-        if _library is None and _unavailable is None:
-            try:
-                _library = _build()
-            except (OSError, subprocess.SubprocessError) as e:
-                _unavailable = str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__
-                warnings.warn(f"SCAPE: the C top-k could not be built ({_unavailable}); selection='topk' uses "
-                              "torch.topk on the CPU, with the same masks, several times slower. Install a C compiler "
-                              "(or set CC) to use it", stacklevel=4)
-    return _library
-
-
-def _build() -> ctypes.CDLL:
-    compiler = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-    if compiler is None:
-        raise OSError(f"no C compiler found ({os.environ.get('CC', 'cc')!r} or 'gcc')")
-    # per machine kind too: a home directory shared by x86 and ARM nodes keeps one build of each
-    digest = hashlib.sha256("\0".join((SOURCE, compiler, platform.machine(), *FLAGS)).encode()).hexdigest()[:16]
-    target = cache_dir() / f"topk_{digest}.so"
-    if not target.exists():
-        target.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # several ranks may build at once
-            source, built = Path(tmp) / "topk.c", Path(tmp) / "topk.so"
-            source.write_text(SOURCE)
-            done = subprocess.run([compiler, *FLAGS, str(source), "-o", str(built), "-lm"], capture_output=True,
-                                  text=True, timeout=120)
-            if done.returncode:
-                raise OSError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
-            os.replace(built, target)
-    library = ctypes.CDLL(str(target))
-    library.scape_topk_rows.restype = ctypes.c_int
-    library.scape_topk_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64,
-                                        ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
-                                        ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p]
-    library.scape_age_topk_rows.restype = ctypes.c_int
-    library.scape_age_topk_rows.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                                            ctypes.c_int64, ctypes.c_float, ctypes.c_int, ctypes.c_float,
-                                            ctypes.c_float, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
-                                            ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64,
-                                            ctypes.c_void_p]
-    return library

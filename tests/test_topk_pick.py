@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scape_core import rowselect
+from scape_core import native, rowselect
 from scape_core.masks import (
     INT32_MIN,
     Mask,
@@ -65,7 +65,7 @@ def test_the_pick_is_torch_topks_with_ties_lowest_columns_first(kind, rows, n, s
 
 
 def test_the_c_pick_is_in_use_on_this_cpu():
-    assert rowselect.available()  # CI has a C compiler: the fast path is the one tested
+    assert native.available()  # CI has a C compiler: the fast path is the one tested
 
 
 @settings(max_examples=40, deadline=None)
@@ -104,12 +104,12 @@ def test_without_a_compiler_it_says_so_and_picks_the_same_columns(monkeypatch, t
     score = torch.rand(layout.rows, 64, generator=g).mul_(4).floor_()
     flushed = Mask(0.1, select(torch.rand(layout.rows, 64, generator=g), layout, shape))
     fast_mask = select(score.clone(), layout, shape, flushed)
-    monkeypatch.setattr(rowselect, "_library", None)
-    monkeypatch.setattr(rowselect, "_unavailable", None)
+    monkeypatch.setattr(native, "_library", None)
+    monkeypatch.setattr(native, "_unavailable", None)
     monkeypatch.setenv("CC", "no-such-compiler")
     monkeypatch.setenv("SCAPE_CACHE", str(tmp_path))
-    monkeypatch.setattr(rowselect.shutil, "which", lambda name: None)
-    with pytest.warns(UserWarning, match="C top-k could not be built.*no C compiler"):
+    monkeypatch.setattr(native.shutil, "which", lambda name: None)
+    with pytest.warns(UserWarning, match="C kernels could not be built.*no C compiler"):
         slow = rowselect.top_columns(keys, 40)
     assert torch.equal(slow, fast)
     assert torch.equal(select(score.clone(), layout, shape, flushed), fast_mask)
