@@ -520,7 +520,13 @@ class Kernels:
 
     def masked_update(self, rule: Any, momentum: Tensor, statistics: dict[str, Tensor], windows: Tensor | None,
                       local: Tensor, s: Tensor, applied: Tensor, step: int, **hp: float) -> Tensor:
-        """:func:`masked_update_pass` (``step``: the one being applied)."""
+        """:func:`masked_update_pass` (``step``: the one being applied); eager, a rule's fused form where it has
+        one that runs here (the linear rule's C loop on the CPU: the same bits)."""
+        fused = getattr(rule, "fused", None)
+        if not self.compiled and fused is not None and windows is not None:
+            u = fused(momentum, statistics, windows, local, s, applied, step, **hp)
+            if u is not None:
+                return u
         at = self.scalar("step", step, local.device, torch.float32)  # windows are fp32
         run = self._fn("masked_update", masked_update_pass, (local.numel(), applied.dim()))
         return run(rule, momentum, statistics, windows, local, s, applied, at, hp["beta1"], hp["beta2"], hp["eps"])

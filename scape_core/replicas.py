@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from scape_core import inflight
+from scape_core import inflight, native
 from scape_core.compat import all_gather_into_tensor
 
 if TYPE_CHECKING:
@@ -36,6 +36,10 @@ CAUSES = ("a nondeterministic kernel in what every rank computes alike (the opti
           "selection; the model's own forward and backward may differ: gradients are each rank's own), "
           "different seeds or initialization of the parameters or the optimizer state per rank, a rank that "
           "loaded another checkpoint, or a parameter or optimizer state changed on one rank only")
+
+
+KERNELS = ("the CPU kernels in use (SCAPE's C kernels, or torch's operators on a rank where no C compiler works: "
+           "install one there, or set CC)")
 
 
 class ReplicaMismatch(RuntimeError):
@@ -71,7 +75,9 @@ class ReplicaGuard:
         if self._row_param is None:
             self._row_param = torch.tensor([i for i, n in enumerate(names) for _ in range(layout.nrows[n])],
                                            device=layout.device)
-        staging = state.staging()  # its padding stays 0: only the parameters' coordinates are written
+        # the step's staging buffer if it has one (its padding stays 0: only parameters' coordinates are written),
+        # else a buffer for this check alone: the C loops on the CPU keep none between steps
+        staging = state.staging_buffer if state.staging_buffer is not None else state.layout.zeros()
         local = state.local_params()
         torch._foreach_copy_(layout.views(staging, names), [local[n].detach().reshape(-1) for n in names])
         buffers: dict[str, Tensor] = {"parameters": staging}
@@ -101,19 +107,25 @@ class ReplicaGuard:
         if not self.every or state.world_size == 1:
             return
         what, mine = self.fingerprints(state)
-        what.append("the optimizer step count")  # ranks that loaded different checkpoints
-        mine = torch.cat([mine, torch.full_like(mine[:1], state.step)])
+        # the last row: the step count (ranks that loaded other checkpoints) and, above bit 48, whether this rank
+        # runs the C kernels, which round the update's root as the hardware does (torch: its own way per CPU)
+        what.append("the optimizer step count")
+        uses_c = state.layout.device.type == "cpu" and native.available()
+        mine = torch.cat([mine, torch.full_like(mine[:1], state.step + (int(uses_c) << 48))])
         every = mine.new_empty(state.world_size * mine.numel())
         inflight.collective(all_gather_into_tensor, every, mine.view(-1), group=state.process_group)
         every = every.view(state.world_size, *mine.shape).cpu()
         differ = (every != every[0]).any(0)  # (buffers, parameters)
         if not bool(differ.any()):
             return
-        buffer, param = (int(i) for i in differ.nonzero()[0])
         ranks = [r for r in range(state.world_size) if bool((every[r] != every[0]).any())]
-        name = list(state.layout.numel)[param]
+        if bool(((every[:, -1, 0] >> 48) != (every[0, -1, 0] >> 48)).any()):  # named first: all differs from then
+            subject = KERNELS
+        else:
+            buffer, param = (int(i) for i in differ.nonzero()[0])
+            subject = f"{what[buffer]} of parameter {list(state.layout.numel)[param]!r}"
         raise ReplicaMismatch(
-            f"SCAPE: the ranks' replicated state differs after optimizer step {state.step}: {what[buffer]} of "
-            f"parameter {name!r} (rank(s) {ranks} differ from rank 0; {int(differ.sum())} buffer-parameter pairs "
-            f"in all). Every rank must compute the same parameters, m, statistics and masks, or each selects "
-            f"and applies a different update. Likely causes: {CAUSES}.")
+            f"SCAPE: the ranks' replicated state differs after optimizer step {state.step}: {subject} (rank(s) "
+            f"{ranks} differ from rank 0; {int(differ.sum())} buffer-parameter pairs in all). Every rank must "
+            f"compute the same parameters, m, statistics and masks, or each selects and applies a different "
+            f"update. Likely causes: {CAUSES}.")

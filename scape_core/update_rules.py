@@ -27,10 +27,13 @@ register themselves with :func:`register_update_rule`.
 
 from __future__ import annotations
 
+import ctypes
 from typing import Protocol
 
 import torch
 from torch import Tensor
+
+from scape_core import native
 
 
 class UpdateRule(Protocol):
@@ -93,7 +96,11 @@ class LazyUpdate:
 
 
 class LinearUpdate:
-    """The default rule: the whole window sum ``s`` over a replicated scale ``d`` (module docstring)."""
+    """The default rule: the whole window sum ``s`` over a replicated scale ``d`` (module docstring).
+
+    Written in single fp32 operations (no ``lerp`` or ``addcmul``, which torch fuses into FMAs in some
+    positions of a tensor and not others): :data:`LINEAR_SOURCE` computes the same bits in C.
+    """
 
     name = "linear"
     statistics: tuple[str, ...] = ("sq",)
@@ -103,14 +110,91 @@ class LinearUpdate:
     def update(self, s: Tensor, n: Tensor, m: Tensor, stats: dict[str, Tensor], *, beta1: float, beta2: float,
                eps: float) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
         mean = s / n
-        m = torch.lerp(m, mean, 1 - beta1)
+        m = m + (mean - m) * (1 - beta1)
         q = s * mean  # s^2 / n
         sq = stats["sq"]
-        sq = torch.where(sq > 0, torch.lerp(sq, q, 1 - beta2), q)  # the first window: taken as is
-        noise = torch.addcmul(sq, n * m, m, value=-1.0).clamp_(min=0)  # sq - n m^2
-        c = beta2 * (1 - beta1) / (1 + beta1) + (1 - beta2)
-        d = torch.maximum(torch.add(m * m, noise, alpha=c).sqrt_(), mean.abs_()).add_(eps)
+        sq = torch.where(sq > 0, sq + (q - sq) * (1 - beta2), q)  # the first window: taken as is
+        noise = (sq - (n * m) * m).clamp_(min=0)
+        d = torch.maximum((m * m + noise * noise_share(beta1, beta2)).sqrt_(), mean.abs_()).add_(eps)
         return s / d, m, {"sq": sq}
+
+    def fused(self, momentum: Tensor, statistics: dict[str, Tensor], windows: Tensor, at: Tensor, s: Tensor,
+              applied: Tensor, step: int, *, beta1: float, beta2: float, eps: float) -> Tensor | None:
+        """The whole masked update (``scape_core.kernels.masked_update_pass`` with this rule) as one C loop
+        over the entries on the CPU, the same bits; ``None`` where it does not run (not the CPU, no C
+        compiler, not contiguous fp32 buffers and int64 indices): the caller runs the torch operators."""
+        sq, tensors = statistics["sq"], (momentum, statistics["sq"], windows, at, s, applied)
+        if (any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors) or at.dtype != torch.int64
+                or any(t.dtype != torch.float32 for t in (momentum, sq, windows, s)) or applied.dtype != torch.bool
+                or native.library() is None):
+            return None
+        return torch.ops.scape.linear_update(momentum.view(-1), sq.view(-1), windows.view(-1), at, s, applied,
+                                             float(step), beta1, beta2, eps)
+
+
+def noise_share(beta1: float, beta2: float) -> float:
+    """``c``: the share of the window's noise the linear rule's scale keeps, as AdamS's own denominator does.
+
+    Example:
+        >>> round(noise_share(0.9, 0.95), 4), round(noise_share(0.9, 0.999), 4)
+        (0.1, 0.0536)
+    """
+    return beta2 * (1 - beta1) / (1 + beta1) + (1 - beta2)
+
+
+LINEAR_SOURCE = r"""
+/* LinearUpdate at `count` entries `at` of the flat m, sq and windows (masked_update_pass's arithmetic, one fp32
+   operation at a time, in its order): where applied (`applied[0]`, or `applied[i]` if `each`), m, sq and the
+   window written back and u = s / d; elsewhere nothing written and u = 0. In blocks: gathered, computed in a loop
+   the compiler vectorizes (divisions and roots are most of the work), scattered. */
+#define LINEAR_BLOCK 512
+void scape_linear_update(float *m, float *sq, float *w, const int64_t *at, const float *s, const uint8_t *applied,
+                         int each, int64_t count, float step, float w1, float w2, float c, float eps, float *u) {
+    float mo[LINEAR_BLOCK], so[LINEAR_BLOCK], nn[LINEAR_BLOCK], mn[LINEAR_BLOCK], sn[LINEAR_BLOCK];
+    for (int64_t base = 0; base < count; base += LINEAR_BLOCK) {
+        int64_t nb = count - base < LINEAR_BLOCK ? count - base : LINEAR_BLOCK;
+        const int64_t *j = at + base;
+        const float *sb = s + base;
+        float *ub = u + base;
+        for (int64_t i = 0; i < nb; i++) { mo[i] = m[j[i]]; so[i] = sq[j[i]]; nn[i] = step - w[j[i]]; }
+        for (int64_t i = 0; i < nb; i++) {
+            float n = nn[i], si = sb[i];
+            float mean = si / n;
+            float mi = mo[i] + (mean - mo[i]) * w1;
+            float q = si * mean;
+            float sqi = so[i] > 0 ? so[i] + (q - so[i]) * w2 : q;
+            float noise = sqi - (n * mi) * mi;
+            noise = noise < 0 ? 0.0f : noise;  /* clamp(min=0): NaN stays */
+            float root = sqrtf(mi * mi + noise * c), am = fabsf(mean);
+            float d = ((root != root) | (root > am)) ? root : am;  /* torch.maximum: NaN wins */
+            mn[i] = mi; sn[i] = sqi; ub[i] = si / (d + eps);
+        }
+        for (int64_t i = 0; i < nb; i++) {
+            if (applied[each ? base + i : 0]) { w[j[i]] = step; m[j[i]] = mn[i]; sq[j[i]] = sn[i]; }
+            else ub[i] = 0.0f;
+        }
+    }
+}
+"""
+_PTR, _F32 = ctypes.c_void_p, ctypes.c_float
+native.register(LINEAR_SOURCE, {"scape_linear_update": (None, [_PTR, _PTR, _PTR, _PTR, _PTR, _PTR, ctypes.c_int,
+                                                               ctypes.c_int64, _F32, _F32, _F32, _F32, _F32, _PTR])})
+
+
+@torch.library.custom_op("scape::linear_update", mutates_args=("m", "sq", "windows"), device_types="cpu")
+def _linear_update_op(m: Tensor, sq: Tensor, windows: Tensor, at: Tensor, s: Tensor, applied: Tensor, step: float,
+                      beta1: float, beta2: float, eps: float) -> Tensor:
+    u = torch.empty_like(s)
+    address = [ctypes.c_void_p(t.data_ptr()) for t in (m, sq, windows, at, s, applied, u)]
+    native.library().scape_linear_update(*address[:6], int(applied.dim() > 0), s.numel(), step, 1 - beta1,
+                                         1 - beta2, noise_share(beta1, beta2), eps, address[6])
+    return u
+
+
+@_linear_update_op.register_fake
+def _(m: Tensor, sq: Tensor, windows: Tensor, at: Tensor, s: Tensor, applied: Tensor, step: float, beta1: float,
+      beta2: float, eps: float) -> Tensor:
+    return torch.empty_like(s)
 
 
 register_update_rule(LazyUpdate())
