@@ -38,6 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from benchmarks.experiments import candidate_rules, candidate_wires  # noqa: F401  (register the candidate rules and wires)
+from scape_core import fused
 from scape_core import wire as wires
 from scape_core.adams import adams_foreach
 from scape_core.config import ScapeConfig
@@ -140,7 +141,7 @@ class SimulatedScape:
         self.stats = {k: self.layout.zeros() for k in self.rule.statistics}
         self.residual: Tensor | None = None  # (W, rows * chunk)
         self.local_momentum: Tensor | None = None  # send="momentum" only
-        self.windows: Tensor | None = None  # (rows, chunk) int32, the step each coordinate was last exchanged
+        self.windows: Tensor | None = None  # (rows, chunk) fp32 as the core's: the step each was last exchanged
         self.selection = _VirtualRanks(self)
         self.t = 0
         self.counters = Counters()
@@ -255,7 +256,7 @@ class SimulatedScape:
         if self.residual is None:  # the first sparse step
             self.residual = torch.zeros_like(g)
             if self.config.keeps_windows:
-                self.windows = torch.full((self.layout.rows, self.layout.chunk), self.t - 1, dtype=torch.int32)
+                self.windows = torch.full((self.layout.rows, self.layout.chunk), self.t - 1, dtype=torch.float32)
         if self.send == "momentum":
             u = self.local_momentum if self.local_momentum is not None else torch.zeros_like(g)
             self.local_momentum = g = u.lerp_(g, 1 - self.hp["beta1"]).clone()
@@ -294,7 +295,17 @@ class SimulatedScape:
         return applied.flatten()[:E], kept, plan.nbytes
 
     def _apply(self, s: Tensor, entries: Tensor) -> None:
-        """``ScapeAdamS``'s sparse step: the rule on the entries, decay everywhere, the update on the mask."""
+        """``ScapeAdamS``'s sparse step: the rule on the entries, decay everywhere, the update on the mask (in the
+        core's C loops where it runs them: the same bits)."""
+        params = list(self.params.values())
+        if self.windows is not None and hasattr(self.rule, "fused") and fused.runs_here(params, entries):
+            hp, keep = self.hp, torch.tensor(True)
+            u = self.rule.fused(self.m, self.stats, self.windows, entries, s, keep, self.t, beta1=hp["beta1"],
+                                beta2=hp["beta2"], eps=hp["eps"])
+            fused.update(params, fused.RowTable.of(self.layout, list(self.params)), torch.zeros(len(params),
+                         dtype=torch.int32), torch.tensor([-hp["lr"] * hp["weight_decay"]]),
+                         torch.tensor([bool(hp["weight_decay"])]), torch.tensor([-hp["lr"]]), keep, entries, u)
+            return
         if self.windows is not None:
             flat = self.windows.view(-1)
             n = (self.t - flat.index_select(0, entries)).float()

@@ -33,6 +33,10 @@ The operator model (what one call of an operator counts):
                         source and the index); the accumulating ones (``index_add_``,
                         ``scatter_add_``, ``scatter_reduce_``, ``index_put_(accumulate=True)``) also
                         read the touched slices
+    SCAPE's C loops     ``scape::fused_gather`` and ``scape::linear_update`` as index operators (the
+                        entries' elements); ``scape::fused_stage`` reads every gradient (its finiteness)
+                        and the residual at the entries; the others (``fused_finish``, ``fused_update``,
+                        the top-k's picks) as elementwise operators: every tensor they are handed
     fused optimizers    ``_fused_adam_`` / ``_fused_adamw_``: their schema marks the gradients
                         mutated, but the kernel writes them only when it unscales (``grad_scale``)
     host reads          ``_local_scalar_dense`` (``.item()``, ``bool(t)``, ``float(t)``): counted
@@ -165,6 +169,14 @@ def _index_model(name: str, a: dict[str, Any], out: Any) -> tuple[int, int] | No
         return nbytes(a["index"]) + a["index"].numel() * self.element_size(), nbytes(out)
     if name == "take":  # self as 1-D, at the index
         return nbytes(a["index"]) + a["index"].numel() * self.element_size(), nbytes(out)
+    if name == "fused_gather":  # scape_core.fused: the tensors read at the entries (and the rows' table)
+        return nbytes(a["entries"]) + nbytes(a["row_tensor"]) + 4 * a["entries"].numel(), nbytes(out)
+    if name == "fused_stage":  # every gradient read (its finiteness), the residual at the entries
+        at = 4 * a["entries"].numel() * (a["residual"] is not None)
+        return nbytes(a["tensors"]) + nbytes(a["entries"]) + nbytes(a["row_tensor"]) + at, nbytes(out)
+    if name == "linear_update":  # m, sq and the windows read and written at the entries
+        touched = 3 * 4 * a["at"].numel()
+        return nbytes(a["at"]) + nbytes(a["s"]) + nbytes(a["applied"]) + touched, touched + nbytes(out)
     if name in ("scatter_", "scatter_add_", "scatter_reduce_"):
         touched = a["index"].numel() * self.element_size()
         src = a["index"].numel() * a["src"].element_size() if isinstance(a.get("src"), Tensor) else 0

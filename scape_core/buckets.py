@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from scape_core import wire
+from scape_core import fused, wire
 from scape_core.layout import FlatLayout, MaskShape, gather_spans, row_of, scatter_spans
 from scape_core.masks import Mask
 
@@ -69,6 +69,7 @@ class Buckets:
         self.row_shift = torch.zeros(layout.rows, dtype=torch.long, device=layout.device)
         self._wire_plans: dict[int, wire.WirePlan] = {}
         self._staging: dict[tuple, Staging] = {}
+        self._tables: dict[tuple[int, ...], tuple[tuple[BucketPlan, ...], fused.RowTable]] = {}
 
     def plan(self, bucket: dist.GradBucket) -> BucketPlan:
         """The bucket's plan, built at its first sight (and again after DDP rebuilds its buckets)."""
@@ -123,6 +124,14 @@ class Buckets:
             self._staging = {k: v for k, v in self._staging.items() if k[0] == key[0] or k[2] != key[2]}  # rebuilt
             self._staging[key] = Staging(self.layout, plans, shape, base)
         return self._staging[key]
+
+    def row_table(self, plans: tuple[BucketPlan, ...]) -> fused.RowTable:
+        """Where each layout row sits among ``plans``' gradient views, in order (built once per set of plans)."""
+        found = self._tables.get(tuple(id(p) for p in plans))
+        if found is None or any(a is not b for a, b in zip(found[0], plans)):
+            found = (plans, fused.RowTable.of(self.layout, [n for p in plans for n in p.names]))
+            self._tables = {tuple(id(p) for p in plans): found}  # the buckets of one step: DDP's current ones
+        return found[1]
 
     def positions(self, entries: Tensor) -> Tensor:
         """Where the flat ``entries`` sit in their buckets' buffers (:func:`positions_in_regions`)."""

@@ -8,7 +8,7 @@ from typing import Any, Callable, Iterable
 import torch
 from torch import Tensor
 
-from scape_core import checkpoint
+from scape_core import checkpoint, fused
 from scape_core.adams import MOMENTUM, AdamS, check_grad
 from scape_core.checkpoint import every_rank_arrives
 from scape_core.layout import row_of
@@ -81,6 +81,7 @@ class ScapeAdamS(AdamS):
         self.statistics = {key: state.shard.zeros() for key in self.rule.statistics}
         self._consolidated: dict[str, Any] | None = None  # the whole state, gathered by consolidate_state_dict
         self._views: dict[tuple[str, ...], list[Tensor]] = {}  # staging views per set of parameters
+        self._tables: dict[tuple[str, ...], tuple[fused.RowTable, Tensor]] = {}  # C loops' tables, their groups
         self._resumed = False  # a state dict was loaded since the last step
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, foreach=foreach,
                          kernels=state.config.kernels)
@@ -332,9 +333,14 @@ class ScapeAdamS(AdamS):
         decayed and moved by ``-lr u`` (two multi-tensor operators). Sharded, the owners' rule and the
         all-gather of ``u`` (:meth:`_masked_update`)."""
         scape = self.scape
-        staging, entries, keep = scape.staging(), mask.flat(scape.layout), ~skip
+        entries, keep = mask.flat(scape.layout), ~skip
+        if all_have_grad and entries.dtype == torch.int64 and fused.runs_here(values + grads, entries):
+            # on the CPU: read p.grad and write the parameters where they are (sharded too: the same bits)
+            self._sparse_fused(groups, with_grad, values, grads, mask, entries, keep, hp)
+            return
+        staging = scape.staging()
         torch._foreach_copy_(self._staging_views(with_grad), grads)
-        s = torch.take(staging, entries)
+        s = scape.flat(staging).index_select(0, entries)
         applied = keep if all_have_grad else self._entries_with_grad(with_grad, entries, keep)
         u = self._masked_update(mask, s, applied, hp)
         staging.zero_()
@@ -349,6 +355,27 @@ class ScapeAdamS(AdamS):
             torch._foreach_add_(local, self._staging_views(params), alpha=-group["lr"])
         if not all_have_grad:  # the means of parameters without a gradient go back (a skipped step has none)
             scape.record.return_unapplied(scape.residual_buffer, entries, applied | skip)
+
+    def _sparse_fused(self, groups: list[tuple[dict[str, Any], list[Tensor]]], with_grad: list[Tensor],
+                      values: list[Tensor], grads: list[Tensor], mask: Mask, entries: Tensor, keep: Tensor,
+                      hp: dict[str, float]) -> None:
+        """:meth:`_sparse_flat` in C loops over ``p.grad`` and the parameters themselves (:mod:`scape_core.fused`):
+        the window sums read at the entries, the rule, then every parameter decayed and moved at its entries
+        in one pass."""
+        key = tuple(self._names[p] for p in with_grad)
+        found = self._tables.get(key)
+        if found is None:
+            group_of = [i for i, (_, params) in enumerate(groups) for _ in params]
+            found = self._tables[key] = (fused.RowTable.of(self.scape.layout, key),
+                                         torch.tensor(group_of, dtype=torch.int32))
+        table, group_of = found
+        s = fused.gather(grads, table, entries)
+        u = self._masked_update(mask, s, keep, hp)
+        lr = [g["lr"] for g, _ in groups]
+        alpha = torch.tensor([-r * g["weight_decay"] for r, (g, _) in zip(lr, groups)], dtype=torch.float32)
+        decays = torch.tensor([bool(g["weight_decay"]) for g, _ in groups])
+        fused.update(values, table, group_of, alpha, decays, torch.tensor([-r for r in lr], dtype=torch.float32),
+                     keep, entries, u)
 
     def _staging_views(self, params: list[Tensor]) -> list[Tensor]:
         """The views of the state's staging buffer shaped like each of ``params``' local tensor (made once
