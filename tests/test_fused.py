@@ -1,0 +1,113 @@
+"""The CPU's C loops (scape_core/fused.py, the linear rule's in update_rules.py) against the torch operators they
+stand for: the same values at the same places, on tensors with padding, skipped steps and non-finite gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from scape_core import fused, native
+from scape_core.kernels import masked_update_pass
+from scape_core.layout import FlatLayout
+from scape_core.update_rules import UPDATE_RULES
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler")
+
+
+def _case(seed: int, chunk: int = 16):
+    """Three tensors on a padded layout (their last rows shorter), their gradients, a residual and entries that
+    include padding coordinates (a short row's padding slots), ascending per row, rows in order."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = {"a": (5, 7), "b": (16,), "c": (3, 11)}
+    params = {n: torch.randn(s, generator=g) for n, s in shapes.items()}
+    layout = FlatLayout(params, chunk)
+    grads = [torch.randn(s, generator=g) for s in shapes.values()]
+    residual = torch.randn(layout.rows, chunk, generator=g)
+    cols = torch.stack([torch.randperm(chunk, generator=g)[:5].sort().values for _ in range(layout.rows)])
+    entries = (cols + torch.arange(layout.rows)[:, None] * chunk).view(-1)
+    return layout, list(params), params, grads, residual, entries
+
+
+def _staged(layout: FlatLayout, names: list[str], tensors: list[torch.Tensor]) -> torch.Tensor:
+    staging = layout.zeros()  # what the reference's staging buffer holds: padding 0
+    for name, t in zip(names, tensors):
+        layout.view(staging, name).copy_(t.reshape(-1))
+    return staging.view(-1)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_gather_and_stage_read_what_the_staging_buffer_would(seed):
+    layout, names, _, grads, residual, entries = _case(seed)
+    table = fused.RowTable.of(layout, names)
+    flat = _staged(layout, names, grads)
+    assert torch.equal(fused.gather(grads, table, entries), flat[entries])
+    send, finite = fused.stage(grads, table, residual, entries)
+    assert bool(finite) and torch.equal(send, flat[entries] + residual.view(-1)[entries])
+    grads[1][3] = float("inf")
+    send, finite = fused.stage(grads, table, residual, entries)
+    assert not bool(finite) and send.isnan().all()
+    grads[1][3], grads[0][0, 0], grads[0][0, 1] = 0.0, 3e38, 3e38  # finite, but their fp32 sum is not
+    assert not bool(fused.stage(grads, table, None, entries)[1])
+
+
+@pytest.mark.parametrize("ok", [True, False])
+@pytest.mark.parametrize("kept", [True, False])
+def test_finish_adds_the_residual_and_leaves_the_mean_on_the_mask(ok, kept):
+    layout, names, _, grads, residual, entries = _case(4)
+    table = fused.RowTable.of(layout, names)
+    mean = torch.randn(entries.numel()) if ok else torch.zeros(entries.numel())
+    rounding = torch.randn(entries.numel()) if kept else None
+    flat, before = _staged(layout, names, grads), residual.clone().view(-1)
+    fused.finish(grads, table, residual, entries, mean, rounding, torch.tensor(ok))
+    want = before.clone()
+    if ok:
+        want += flat
+        want[entries] = rounding if kept else 0.0
+    assert torch.equal(residual.view(-1), want)
+    on_mask = torch.zeros_like(flat)
+    on_mask[entries] = mean
+    assert torch.equal(_staged(layout, names, grads), on_mask * (_staged(layout, names, [torch.ones_like(t)
+                                                                                          for t in grads])))
+
+
+def test_update_decays_every_coordinate_and_moves_the_entries():
+    layout, names, params, _, _, entries = _case(5)
+    tensors = list(params.values())
+    table = fused.RowTable.of(layout, names)
+    u = torch.randn(entries.numel())
+    before = _staged(layout, names, tensors)
+    groups = torch.tensor([0, 1, 0], dtype=torch.int32)  # "b" in a group without decay
+    fused.update(tensors, table, groups, torch.tensor([-0.01, 0.0]), torch.tensor([True, False]),
+                 torch.tensor([-0.1, -0.2]), torch.tensor(True), entries, u)
+    decay = _staged(layout, names, [torch.full_like(t, 0.99 if i != 1 else 1.0) for i, t in enumerate(tensors)])
+    scale = _staged(layout, names, [torch.full_like(t, -0.1 if i != 1 else -0.2) for i, t in enumerate(tensors)])
+    want = before * decay
+    want[entries] += scale[entries] * u
+    assert torch.allclose(_staged(layout, names, tensors), want, rtol=1e-6, atol=1e-7)
+    again = [t.clone() for t in tensors]
+    fused.update(again, table, groups, torch.tensor([-0.01, 0.0]), torch.tensor([True, False]),
+                 torch.tensor([-0.1, -0.2]), torch.tensor(False), entries, torch.zeros_like(u))  # a skipped step
+    assert all(torch.equal(a, b) for a, b in zip(again, tensors))
+
+
+@pytest.mark.parametrize("applied", ["all", "none", "each"])
+def test_the_linear_rules_c_loop_writes_the_same_state(applied):
+    rule, g = UPDATE_RULES["linear"], torch.Generator().manual_seed(6)
+    n, e = 4000, 700
+    m = torch.randn(n, generator=g) * (torch.rand(n, generator=g) > 0.2)
+    sq = torch.rand(n, generator=g) * (torch.rand(n, generator=g) > 0.3)  # some first windows
+    windows = torch.randint(0, 50, (n,), generator=g).float()
+    at = torch.randperm(n, generator=g)[:e].sort().values
+    s = torch.randn(e, generator=g)
+    s[3] = float("nan")  # a skipped step's value: written nowhere it is not applied
+    flags = {"all": torch.tensor(True), "none": torch.tensor(False), "each": torch.rand(e, generator=g) > 0.4}
+    mask = flags[applied]
+    if applied != "none":
+        s[3] = 1.0
+    ref = [t.clone() for t in (m, sq, windows)]
+    u_ref = masked_update_pass(rule, ref[0], {"sq": ref[1]}, ref[2], at, s, mask, torch.tensor(60.0), 0.9, 0.95,
+                               1e-8)
+    out = [t.clone() for t in (m, sq, windows)]
+    u = rule.fused(out[0], {"sq": out[1]}, out[2], at, s, mask, 60, beta1=0.9, beta2=0.95, eps=1e-8)
+    assert all(torch.equal(a, b) for a, b in zip(ref, out))  # m, sq and the windows: bit for bit
+    assert torch.allclose(u, u_ref, rtol=2e-7, atol=0)  # u: torch's square root may round otherwise
