@@ -151,3 +151,23 @@ def test_the_device_pick_takes_the_same_columns_where_no_ties_meet_the_kth(rows,
     short = tuple(torch.tensor(v, dtype=torch.int32) for v in ([rows - 1], [max(1, n // 2)], [max(1, min(k, n // 4))]))
     for s in (None, short):
         assert torch.equal(rowselect.reference_columns(keys, k, s, unique=False), rowselect.top_columns(keys, k, s))
+
+
+def test_the_age_pick_started_from_the_last_picks_bound_stays_exact():
+    """The C age pick keeps a bound per row from its last pick (rowselect._hint): picks over scores that drift,
+    jump up, and collapse below every bound (each row then selected whole) equal the stored score's, steps on."""
+    layout, g = layout_of([4096 * 6 + 1000, 3000], 4096), torch.Generator().manual_seed(7)
+    shape = layout.mask_shape(0.075)
+    m = torch.randn(layout.rows, 4096, generator=g)
+    windows = torch.randint(0, 13, (layout.rows, 4096), generator=g).float()
+    flushed = None
+    for t in range(14, 24):
+        if t == 19:
+            m.mul_(1e-3)  # every score far below every row's bound
+        if t == 21:
+            m.mul_(1e6)
+        cols = select_age(m, windows, t, 30, layout, shape, flushed)
+        assert torch.equal(cols, select(age_momentum_score(m, windows, t, 30), layout, shape, flushed)), t
+        assert sum(int(h.count_nonzero()) for h in rowselect._hints.values()) >= layout.rows  # bounds to start from
+        flushed = Mask(0.075, cols)
+        windows.view(-1).index_fill_(0, flushed.flat(layout), float(t))
