@@ -32,10 +32,10 @@ SOURCE = r"""
 /* int32 keys in unsigned order */
 static inline uint32_t ord(int32_t x) { return (uint32_t)x ^ 0x80000000u; }
 
-/* The bucket (of `bins`) holding the need-th largest counted value, from the top; *need becomes the
-   rank of that value inside its bucket. */
-static int top_bucket(const uint32_t *hist, int bins, int64_t *need) {
-    int b = bins - 1;
+/* The bucket at or below `top` (the highest non-empty one) holding the need-th largest counted value; *need
+   becomes the rank of that value inside its bucket. */
+static int top_bucket(const uint32_t *hist, int top, int64_t *need) {
+    int b = top;
     while (*need > (int64_t)hist[b]) { *need -= hist[b]; b--; }
     return b;
 }
@@ -44,28 +44,35 @@ static uint32_t select_row(const int32_t *x, int64_t n, int64_t k, int16_t *out,
     uint32_t hist[4][2048], sum[2048];
     int64_t need = k, m = 0, ties;
     int64_t j = 0;
+    uint32_t top = 0;  /* the highest bucket counted: the scans for the k-th start there */
     if (n >= 2048) {  /* four histograms: no chain of increments on one bin */
+        uint32_t t4[4] = {0, 0, 0, 0};
         memset(hist, 0, sizeof hist);
         for (; j + 4 <= n; j += 4) {
-            hist[0][ord(x[j]) >> 21]++; hist[1][ord(x[j + 1]) >> 21]++;
-            hist[2][ord(x[j + 2]) >> 21]++; hist[3][ord(x[j + 3]) >> 21]++;
+            for (int l = 0; l < 4; l++) {
+                uint32_t b = ord(x[j + l]) >> 21;
+                hist[l][b]++; t4[l] = b > t4[l] ? b : t4[l];
+            }
         }
-        for (; j < n; j++) hist[0][ord(x[j]) >> 21]++;
-        for (int b = 0; b < 2048; b++) sum[b] = hist[0][b] + hist[1][b] + hist[2][b] + hist[3][b];
-    } else {  /* a few keys (a hinted pick's): one histogram, a quarter of the clearing */
+        for (; j < n; j++) { uint32_t b = ord(x[j]) >> 21; hist[0][b]++; t4[0] = b > t4[0] ? b : t4[0]; }
+        for (int l = 0; l < 4; l++) top = t4[l] > top ? t4[l] : top;
+        for (uint32_t b = 0; b <= top; b++) sum[b] = hist[0][b] + hist[1][b] + hist[2][b] + hist[3][b];
+    } else {  /* a few keys (a bounded pick's): one histogram, a quarter of the clearing */
         memset(sum, 0, sizeof sum);
-        for (; j < n; j++) sum[ord(x[j]) >> 21]++;
+        for (; j < n; j++) { uint32_t b = ord(x[j]) >> 21; sum[b]++; top = b > top ? b : top; }
     }
-    uint32_t high = (uint32_t)top_bucket(sum, 2048, &need);
+    uint32_t high = (uint32_t)top_bucket(sum, (int)top, &need);
     for (j = 0; j < n; j++) { uint32_t u = ord(x[j]); cand[m] = u; m += (u >> 21) == high; }
     memset(sum, 0, sizeof sum);
-    for (int64_t i = 0; i < m; i++) sum[(cand[i] >> 10) & 2047]++;
-    uint32_t prefix = (high << 21) | ((uint32_t)top_bucket(sum, 2048, &need) << 10);
+    top = 0;
+    for (int64_t i = 0; i < m; i++) { uint32_t b = (cand[i] >> 10) & 2047; sum[b]++; top = b > top ? b : top; }
+    uint32_t prefix = (high << 21) | ((uint32_t)top_bucket(sum, (int)top, &need) << 10);
     int64_t m2 = 0;
     for (int64_t i = 0; i < m; i++) { uint32_t u = cand[i]; cand[m2] = u; m2 += (u >> 10) == (prefix >> 10); }
     memset(sum, 0, 1024 * sizeof(uint32_t));
-    for (int64_t i = 0; i < m2; i++) sum[cand[i] & 1023]++;
-    uint32_t t = prefix | (uint32_t)top_bucket(sum, 1024, &need);
+    top = 0;
+    for (int64_t i = 0; i < m2; i++) { uint32_t b = cand[i] & 1023; sum[b]++; top = b > top ? b : top; }
+    uint32_t t = prefix | (uint32_t)top_bucket(sum, (int)top, &need);
     ties = need;  /* keys equal to t to take, lowest columns first */
     int64_t c = 0;
     for (j = 0; j < n && c < k; j++) {
