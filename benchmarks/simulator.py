@@ -276,7 +276,7 @@ class SimulatedScape:
         self.sync_counts[entries] += 1
         self.counters.values_sent += entries.numel()
         self.counters.bytes_sent += nbytes
-        self._apply(s, entries)
+        self._apply(s, entries, self.layout.mask_shape(mask.density))
         self._end_step()
 
     def _exchange(self, sent: Tensor) -> tuple[Tensor, Tensor, int]:
@@ -294,7 +294,7 @@ class SimulatedScape:
         kept[owner, torch.arange(E)] += ((mean - applied) * W).flatten()[:E]
         return applied.flatten()[:E], kept, plan.nbytes
 
-    def _apply(self, s: Tensor, entries: Tensor) -> None:
+    def _apply(self, s: Tensor, entries: Tensor, shape: MaskShape) -> None:
         """``ScapeAdamS``'s sparse step: the rule on the entries, decay everywhere, the update on the mask (in the
         core's C loops where it runs them: the same bits)."""
         params = list(self.params.values())
@@ -302,7 +302,7 @@ class SimulatedScape:
             hp, keep = self.hp, torch.tensor(True)
             u = self.rule.fused(self.m, self.stats, self.windows, entries, s, keep, self.t, beta1=hp["beta1"],
                                 beta2=hp["beta2"], eps=hp["eps"])
-            fused.update(params, fused.RowTable.of(self.layout, list(self.params)), torch.zeros(len(params),
+            fused.update(params, fused.RowTable.of(self.layout, list(self.params)), shape, torch.zeros(len(params),
                          dtype=torch.int32), torch.tensor([-hp["lr"] * hp["weight_decay"]]),
                          torch.tensor([bool(hp["weight_decay"])]), torch.tensor([-hp["lr"]]), keep, entries, u)
             return

@@ -170,10 +170,10 @@ def _index_model(name: str, a: dict[str, Any], out: Any) -> tuple[int, int] | No
     if name == "take":  # self as 1-D, at the index
         return nbytes(a["index"]) + a["index"].numel() * self.element_size(), nbytes(out)
     if name == "fused_gather":  # scape_core.fused: the tensors read at the entries (and the rows' table)
-        return nbytes(a["entries"]) + nbytes(a["row_tensor"]) + 4 * a["entries"].numel(), nbytes(out)
+        return nbytes(a["entries"]) + nbytes(a["ranges"]) + 4 * a["entries"].numel(), nbytes(out)
     if name == "fused_stage":  # every gradient read (its finiteness), the residual at the entries
         at = 4 * a["entries"].numel() * (a["residual"] is not None)
-        return nbytes(a["tensors"]) + nbytes(a["entries"]) + nbytes(a["row_tensor"]) + at, nbytes(out)
+        return nbytes(a["tensors"]) + nbytes(a["entries"]) + nbytes(a["ranges"]) + at, nbytes(out)
     if name == "linear_update":  # m, sq and the windows read and written at the entries
         touched = 3 * 4 * a["at"].numel()
         return nbytes(a["at"]) + nbytes(a["s"]) + nbytes(a["applied"]) + touched, touched + nbytes(out)

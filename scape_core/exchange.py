@@ -97,7 +97,8 @@ def stage(state: "ScapeStateBase", record: StepRecord) -> None:
     regions are cut."""
     table = _fused_table(state, record)
     if table is not None:  # on the CPU: read where the gradients are (scape_core.fused)
-        record.send, finite = fused.stage(table[0], table[1], state.residual_buffer, record.entries)
+        shape = state.layout.mask_shape(record.density)
+        record.send, finite = fused.stage(table[0], table[1], shape, state.residual_buffer, record.entries)
         record.local.append(finite)
         return
     staging = state.staging()
@@ -178,7 +179,8 @@ def finish(state: "ScapeStateBase", record: StepRecord, reduced: Tensor, kept: T
     mean = reduced.masked_fill(~ok, 0.0)
     table = _fused_table(state, record)
     if table is not None:
-        fused.finish(table[0], table[1], state.residual_buffer, record.entries, mean, kept, ok)
+        fused.finish(table[0], table[1], state.layout.mask_shape(record.density), state.residual_buffer,
+                     record.entries, mean, kept, ok)
         record.values = mean
         record.finite.append(ok)
         return

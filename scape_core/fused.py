@@ -23,10 +23,11 @@ operator (``scape::...``), so the traffic and operator counters see it. fp32 ten
 only: anything else runs the reference.
 
 Example:
+    >>> layout = FlatLayout({"w": torch.zeros(3), "b": torch.zeros(1)}, chunk=4)  # a row of 4 each
     >>> grads = [torch.tensor([1.0, 2.0, 3.0]), torch.tensor([4.0])]
-    >>> table = RowTable([0, 4], [3, 1], rows=2, chunk=4)   # each tensor's own row of 4
-    >>> gather(grads, table, torch.tensor([1, 2, 4, 7]))     # entry 7: the second row's padding
-    tensor([2., 3., 4., 0.])
+    >>> shape = layout.mask_shape(0.5)                       # 2 picks in w's row, 1 in b's
+    >>> gather(grads, RowTable.of(layout, ["w", "b"]), shape, torch.tensor([1, 2, 4]))
+    tensor([2., 3., 4.])
 """
 
 from __future__ import annotations
@@ -38,117 +39,133 @@ import torch
 from torch import Tensor
 
 from scape_core import native
-from scape_core.layout import FlatLayout
+from scape_core.layout import FlatLayout, MaskShape
 
 SOURCE = r"""
-/* Where flat layout index e sits: tensor row_tensor[e / chunk] (-1: none of these tensors), at e - start[t];
-   beyond numel[t] it is the row's padding. NULL for padding or a row of no tensor here. */
-static inline float *at_entry(float **t, const int64_t *start, const int64_t *numel, const int32_t *row_tensor,
-                              int64_t chunk, int64_t e) {
-    int32_t i = row_tensor[(chunk & (chunk - 1)) == 0 ? e >> __builtin_ctzll((unsigned long long)chunk) : e / chunk];
-    if (i < 0) return 0;
-    int64_t off = e - start[i];
-    return off < numel[i] ? t[i] + off : 0;
-}
+/* Each function walks the tensors row by row of the layout: tensor i holds layout rows start[i] / chunk on,
+   row r's slice of it is `len` values at r * chunk - start[i] (a parameter's last row is shorter: the rest of
+   the layout's row is padding), and the row's entries are ranges[2r] .. ranges[2r] + ranges[2r + 1] of the
+   mask's (each row's columns in one stretch, MaskShape.row_entries). A row's dense work and its entries are done
+   while the row is in cache. `bare` lists the rows of no tensor here (their entries read 0). */
+#define EACH_ROW(...)                                                                             \
+    for (int64_t i = 0; i < n; i++) {                                                             \
+        int64_t r0 = start[i] / chunk, r1 = (start[i] + numel[i] + chunk - 1) / chunk;            \
+        for (int64_t r = r0; r < r1; r++) {                                                       \
+            int64_t off = r * chunk - start[i];                                                   \
+            int64_t len = numel[i] - off < chunk ? numel[i] - off : chunk;                        \
+            float *row = t[i] + off;                                                              \
+            int64_t p0 = ranges[2 * r], p1 = p0 + ranges[2 * r + 1];                              \
+            __VA_ARGS__                                                                           \
+        }                                                                                         \
+    }
 
-/* Whether the n tensors' values are finite and their fp32 sum too (as scape_core.exchange.all_finite: a sum
-   past fp32's range drops the step), summed in eight lanes. */
-static int all_finite_values(float **t, const int64_t *numel, int64_t n) {
+/* out[p] = the tensors' value at entries[p] (0 on padding), plus residual[entries[p]] if given; with `finite`:
+   NaN throughout and *finite = 0 unless every value and their fp32 sum are finite (as
+   scape_core.exchange.all_finite: a sum past fp32's range drops the step), summed in eight lanes. */
+void scape_fused_gather(float **t, const int64_t *start, const int64_t *numel, int64_t n, int64_t chunk,
+                        const int64_t *ranges, const int64_t *bare, int64_t n_bare, const float *residual,
+                        const int64_t *entries, int64_t count, uint8_t *finite, float *out) {
     float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0}, total = 0.0f;
-    for (int64_t i = 0; i < n; i++) {
-        const float *v = t[i];
-        int64_t j = 0;
-        for (; j + 8 <= numel[i]; j += 8)
-            for (int l = 0; l < 8; l++) acc[l] += v[j + l];
-        for (; j < numel[i]; j++) acc[0] += v[j];
-    }
-    for (int l = 0; l < 8; l++) total += acc[l];
-    return total - total == 0.0f;
-}
-
-/* out[i] = the tensors' value at entries[i] (0 on padding), plus residual[entries[i]] if given; NaN
-   throughout and *finite = 0 if `check` and a value of the tensors is not finite. */
-void scape_fused_gather(float **t, const int64_t *start, const int64_t *numel, int64_t n, const int32_t *row_tensor,
-                        int64_t chunk, const float *residual, const int64_t *entries, int64_t count, int check,
-                        uint8_t *finite, float *out) {
-    int ok = check ? all_finite_values(t, numel, n) : 1;
-    if (finite) *finite = (uint8_t)ok;
-    for (int64_t i = 0; i < count; i++) {
-        int64_t e = entries[i];
-        float *g = at_entry(t, start, numel, row_tensor, chunk, e);
-        float v = g ? *g : 0.0f;
-        out[i] = residual ? v + residual[e] : v;
-    }
-    if (!ok) for (int64_t i = 0; i < count; i++) out[i] = NAN;
-}
-
-/* After the exchange: if ok, residual += g over every tensor and residual[e] = kept[i] (0 if kept is NULL) at
-   the entries; every tensor zeroed, then mean[i] at its entries. */
-void scape_fused_finish(float **t, const int64_t *start, const int64_t *numel, int64_t n, const int32_t *row_tensor,
-                        int64_t chunk, float *residual, const int64_t *entries, int64_t count, const float *mean,
-                        const float *kept, const uint8_t *ok) {
-    for (int64_t i = 0; i < n; i++) {
-        float *g = t[i];
-        if (residual && *ok) {
-            float *r = residual + start[i];
-            for (int64_t j = 0; j < numel[i]; j++) { r[j] += g[j]; g[j] = 0.0f; }
-        } else {
-            memset(g, 0, (size_t)numel[i] * sizeof(float));
+    EACH_ROW(
+        if (finite) {
+            int64_t j = 0;
+            for (; j + 8 <= len; j += 8)
+                for (int l = 0; l < 8; l++) acc[l] += row[j + l];
+            for (; j < len; j++) acc[0] += row[j];
         }
+        for (int64_t p = p0; p < p1; p++) {
+            int64_t e = entries[p], col = e - r * chunk;
+            float v = col < len ? row[col] : 0.0f;
+            out[p] = residual ? v + residual[e] : v;
+        }
+    )
+    for (int64_t b = 0; b < n_bare; b++) {
+        int64_t r = bare[b];
+        for (int64_t p = ranges[2 * r]; p < ranges[2 * r] + ranges[2 * r + 1]; p++)
+            out[p] = residual ? 0.0f + residual[entries[p]] : 0.0f;
     }
-    for (int64_t i = 0; i < count; i++) {
-        int64_t e = entries[i];
-        if (residual && *ok) residual[e] = kept ? kept[i] : 0.0f;
-        float *g = at_entry(t, start, numel, row_tensor, chunk, e);
-        if (g) *g = mean[i];
+    if (!finite) return;
+    for (int l = 0; l < 8; l++) total += acc[l];
+    *finite = total - total == 0.0f;
+    if (!*finite) for (int64_t p = 0; p < count; p++) out[p] = NAN;
+}
+
+/* After the exchange: if ok, residual += g over every tensor and residual[e] = kept[p] (0 if kept is NULL) at
+   the entries; every tensor zeroed, then mean[p] at its entries. */
+void scape_fused_finish(float **t, const int64_t *start, const int64_t *numel, int64_t n, int64_t chunk,
+                        const int64_t *ranges, const int64_t *bare, int64_t n_bare, float *residual,
+                        const int64_t *entries, const float *mean, const float *kept, const uint8_t *ok) {
+    int add = residual && *ok;
+    EACH_ROW(
+        if (add) {
+            float *res = residual + r * chunk;
+            for (int64_t j = 0; j < len; j++) { res[j] += row[j]; row[j] = 0.0f; }
+        } else {
+            memset(row, 0, (size_t)len * sizeof(float));
+        }
+        for (int64_t p = p0; p < p1; p++) {
+            int64_t e = entries[p], col = e - r * chunk;
+            if (add) residual[e] = kept ? kept[p] : 0.0f;
+            if (col < len) row[col] = mean[p];
+        }
+    )
+    for (int64_t b = 0; b < n_bare && add; b++) {
+        int64_t r = bare[b];
+        for (int64_t p = ranges[2 * r]; p < ranges[2 * r] + ranges[2 * r + 1]; p++)
+            residual[entries[p]] = kept ? kept[p] : 0.0f;
     }
 }
 
-/* theta *= decay (1 + alpha[k] keep, its group k's, where has_decay[k]) over every tensor, then
-   theta[e] += scale[k] * u[i] at the entries. */
-void scape_fused_update(float **t, const int64_t *start, const int64_t *numel, int64_t n, const int32_t *row_tensor,
-                        int64_t chunk, const int32_t *group, const float *alpha, const uint8_t *has_decay,
-                        const float *scale, const uint8_t *keep, const int64_t *entries, int64_t count,
-                        const float *u) {
+/* theta *= decay (1 + alpha[k] keep, its group k's, where has_decay[k]) and theta[e] += scale[k] * u[p] at the
+   entries, row by row. */
+void scape_fused_update(float **t, const int64_t *start, const int64_t *numel, int64_t n, int64_t chunk,
+                        const int64_t *ranges, const int32_t *group, const float *alpha, const uint8_t *has_decay,
+                        const float *scale, const uint8_t *keep, const int64_t *entries, const float *u) {
     float kept = *keep ? 1.0f : 0.0f;
     for (int64_t i = 0; i < n; i++) {
         int32_t k = group[i];
-        if (!has_decay[k]) continue;
-        float d = 1.0f + alpha[k] * kept, *p = t[i];
-        for (int64_t j = 0; j < numel[i]; j++) p[j] *= d;
-    }
-    for (int64_t i = 0; i < count; i++) {
-        int64_t e = entries[i];
-        float *p = at_entry(t, start, numel, row_tensor, chunk, e);
-        if (p) *p = *p + scale[group[row_tensor[e / chunk]]] * u[i];
+        float d = 1.0f + alpha[k] * kept, step = scale[k];
+        int decays = has_decay[k];
+        int64_t r0 = start[i] / chunk, r1 = (start[i] + numel[i] + chunk - 1) / chunk;
+        for (int64_t r = r0; r < r1; r++) {
+            int64_t off = r * chunk - start[i];
+            int64_t len = numel[i] - off < chunk ? numel[i] - off : chunk;
+            float *row = t[i] + off;
+            if (decays) for (int64_t j = 0; j < len; j++) row[j] *= d;
+            for (int64_t p = ranges[2 * r]; p < ranges[2 * r] + ranges[2 * r + 1]; p++) {
+                int64_t col = entries[p] - r * chunk;
+                if (col < len) row[col] = row[col] + step * u[p];
+            }
+        }
     }
 }
 """
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64
 native.register(SOURCE, {
-    "scape_fused_gather": (None, [_P, _P, _P, _I64, _P, _I64, _P, _P, _I64, ctypes.c_int, _P, _P]),
-    "scape_fused_finish": (None, [_P, _P, _P, _I64, _P, _I64, _P, _P, _I64, _P, _P, _P]),
-    "scape_fused_update": (None, [_P, _P, _P, _I64, _P, _I64, _P, _P, _P, _P, _P, _P, _I64, _P]),
+    "scape_fused_gather": (None, [_P, _P, _P, _I64, _I64, _P, _P, _I64, _P, _P, _I64, _P, _P]),
+    "scape_fused_finish": (None, [_P, _P, _P, _I64, _I64, _P, _P, _I64, _P, _P, _P, _P, _P]),
+    "scape_fused_update": (None, [_P, _P, _P, _I64, _I64, _P, _P, _P, _P, _P, _P, _P, _P]),
 })
 
 
 class RowTable:
     """Where the flat layout's coordinates sit in a list of tensors: tensor ``i`` holds layout indices
-    ``start[i] .. start[i] + numel[i]`` (a parameter's rows, then its padding), and each layout row's
-    tensor (-1: none of these). Built once per list of parameters.
+    ``start[i] .. start[i] + numel[i]`` (a parameter's rows, row-aligned; the rest of its last row is padding),
+    and the rows of no tensor in the list (``bare``). Built once per list of parameters.
 
     Example:
-        >>> RowTable([0, 8], [5, 2], rows=3, chunk=4).row_tensor.tolist()
-        [0, 0, 1]
+        >>> RowTable([0, 8], [5, 2], rows=4, chunk=4).bare.tolist()
+        [3]
     """
 
     def __init__(self, start: Sequence[int], numel: Sequence[int], rows: int, chunk: int) -> None:
         self.start = torch.tensor(list(start), dtype=torch.long)
         self.numel = torch.tensor(list(numel), dtype=torch.long)
         self.chunk = chunk
-        self.row_tensor = torch.full((rows,), -1, dtype=torch.int32)
-        for i, (s, n) in enumerate(zip(start, numel)):
-            self.row_tensor[s // chunk:(s + n + chunk - 1) // chunk] = i
+        covered = torch.zeros(rows, dtype=torch.bool)
+        for s, n in zip(start, numel):
+            covered[s // chunk:(s + n + chunk - 1) // chunk] = True
+        self.bare = (~covered).nonzero().view(-1)
 
     @classmethod
     def of(cls, layout: FlatLayout, names: Sequence[str]) -> "RowTable":
@@ -165,32 +182,33 @@ def runs_here(tensors: Sequence[Tensor], *others: Tensor | None) -> bool:
             and native.library() is not None)
 
 
-def gather(tensors: Sequence[Tensor], table: RowTable, entries: Tensor) -> Tensor:
-    """The tensors' values at the flat layout ``entries`` (int64), 0 on padding."""
-    return torch.ops.scape.fused_gather(list(tensors), table.start, table.numel, table.row_tensor, table.chunk,
-                                        entries)
+def gather(tensors: Sequence[Tensor], table: RowTable, shape: MaskShape, entries: Tensor) -> Tensor:
+    """The tensors' values at the flat layout ``entries`` (int64, a mask's of ``shape``, in its order), 0 on
+    padding."""
+    return torch.ops.scape.fused_gather(list(tensors), table.start, table.numel, table.bare, table.chunk,
+                                        shape.row_entries, entries)
 
 
-def stage(tensors: Sequence[Tensor], table: RowTable, residual: Tensor | None, entries: Tensor) -> tuple[Tensor,
-                                                                                                          Tensor]:
+def stage(tensors: Sequence[Tensor], table: RowTable, shape: MaskShape, residual: Tensor | None,
+          entries: Tensor) -> tuple[Tensor, Tensor]:
     """``g + e`` at the entries and whether every value of ``tensors`` is finite (0-dim bool); NaN throughout if not."""
-    return torch.ops.scape.fused_stage(list(tensors), table.start, table.numel, table.row_tensor, table.chunk,
-                                       residual, entries)
+    return torch.ops.scape.fused_stage(list(tensors), table.start, table.numel, table.bare, table.chunk,
+                                       shape.row_entries, residual, entries)
 
 
-def finish(tensors: Sequence[Tensor], table: RowTable, residual: Tensor | None, entries: Tensor, mean: Tensor,
-           kept: Tensor | None, ok: Tensor) -> None:
+def finish(tensors: Sequence[Tensor], table: RowTable, shape: MaskShape, residual: Tensor | None, entries: Tensor,
+           mean: Tensor, kept: Tensor | None, ok: Tensor) -> None:
     """If ``ok``: ``e += g`` everywhere, then ``kept`` (or 0) at the entries; the tensors zeroed, then ``mean``
     at the entries."""
-    torch.ops.scape.fused_finish(list(tensors), table.start, table.numel, table.row_tensor, table.chunk, residual,
-                                 entries, mean, kept, ok)
+    torch.ops.scape.fused_finish(list(tensors), table.start, table.numel, table.bare, table.chunk,
+                                 shape.row_entries, residual, entries, mean, kept, ok)
 
 
-def update(params: Sequence[Tensor], table: RowTable, group: Tensor, alpha: Tensor, has_decay: Tensor,
-           scale: Tensor, keep: Tensor, entries: Tensor, u: Tensor) -> None:
+def update(params: Sequence[Tensor], table: RowTable, shape: MaskShape, group: Tensor, alpha: Tensor,
+           has_decay: Tensor, scale: Tensor, keep: Tensor, entries: Tensor, u: Tensor) -> None:
     """``theta *= 1 + alpha keep`` (per group, where it decays), then ``theta += scale u`` at the entries."""
-    torch.ops.scape.fused_update(list(params), table.start, table.numel, table.row_tensor, table.chunk, group, alpha,
-                                 has_decay, scale, keep, entries, u)
+    torch.ops.scape.fused_update(list(params), table.start, table.numel, table.chunk, shape.row_entries, group,
+                                 alpha, has_decay, scale, keep, entries, u)
 
 
 def _pointers(tensors: Sequence[Tensor]) -> ctypes.Array:
@@ -202,44 +220,45 @@ def _p(t: Tensor | None) -> ctypes.c_void_p | None:
 
 
 @torch.library.custom_op("scape::fused_gather", mutates_args=(), device_types="cpu")
-def _gather_op(tensors: list[Tensor], start: Tensor, numel: Tensor, row_tensor: Tensor, chunk: int,
+def _gather_op(tensors: list[Tensor], start: Tensor, numel: Tensor, bare: Tensor, chunk: int, ranges: Tensor,
                entries: Tensor) -> Tensor:
     out = torch.empty(entries.numel())
-    native.library().scape_fused_gather(_pointers(tensors), _p(start), _p(numel), len(tensors), _p(row_tensor), chunk,
-                                        None, _p(entries), entries.numel(), 0, None, _p(out))
+    native.library().scape_fused_gather(_pointers(tensors), _p(start), _p(numel), len(tensors), chunk, _p(ranges),
+                                        _p(bare), bare.numel(), None, _p(entries), entries.numel(), None, _p(out))
     return out
 
 
 @torch.library.custom_op("scape::fused_stage", mutates_args=(), device_types="cpu")
-def _stage_op(tensors: list[Tensor], start: Tensor, numel: Tensor, row_tensor: Tensor, chunk: int,
+def _stage_op(tensors: list[Tensor], start: Tensor, numel: Tensor, bare: Tensor, chunk: int, ranges: Tensor,
               residual: Optional[Tensor], entries: Tensor) -> tuple[Tensor, Tensor]:
     out, finite = torch.empty(entries.numel()), torch.empty((), dtype=torch.bool)
-    native.library().scape_fused_gather(_pointers(tensors), _p(start), _p(numel), len(tensors), _p(row_tensor), chunk,
-                                        _p(residual), _p(entries), entries.numel(), 1, _p(finite), _p(out))
+    native.library().scape_fused_gather(_pointers(tensors), _p(start), _p(numel), len(tensors), chunk, _p(ranges),
+                                        _p(bare), bare.numel(), _p(residual), _p(entries), entries.numel(),
+                                        _p(finite), _p(out))
     return out, finite
 
 
 @torch.library.custom_op("scape::fused_finish", mutates_args=("tensors", "residual"), device_types="cpu")
-def _finish_op(tensors: list[Tensor], start: Tensor, numel: Tensor, row_tensor: Tensor, chunk: int,
+def _finish_op(tensors: list[Tensor], start: Tensor, numel: Tensor, bare: Tensor, chunk: int, ranges: Tensor,
                residual: Optional[Tensor], entries: Tensor, mean: Tensor, kept: Optional[Tensor], ok: Tensor) -> None:
-    native.library().scape_fused_finish(_pointers(tensors), _p(start), _p(numel), len(tensors), _p(row_tensor), chunk,
-                                        _p(residual), _p(entries), entries.numel(), _p(mean), _p(kept), _p(ok))
+    native.library().scape_fused_finish(_pointers(tensors), _p(start), _p(numel), len(tensors), chunk, _p(ranges),
+                                        _p(bare), bare.numel(), _p(residual), _p(entries), _p(mean), _p(kept), _p(ok))
 
 
 @torch.library.custom_op("scape::fused_update", mutates_args=("params",), device_types="cpu")
-def _update_op(params: list[Tensor], start: Tensor, numel: Tensor, row_tensor: Tensor, chunk: int, group: Tensor,
+def _update_op(params: list[Tensor], start: Tensor, numel: Tensor, chunk: int, ranges: Tensor, group: Tensor,
                alpha: Tensor, has_decay: Tensor, scale: Tensor, keep: Tensor, entries: Tensor, u: Tensor) -> None:
-    native.library().scape_fused_update(_pointers(params), _p(start), _p(numel), len(params), _p(row_tensor), chunk,
-                                        _p(group), _p(alpha), _p(has_decay), _p(scale), _p(keep), _p(entries),
-                                        entries.numel(), _p(u))
+    native.library().scape_fused_update(_pointers(params), _p(start), _p(numel), len(params), chunk, _p(ranges),
+                                        _p(group), _p(alpha), _p(has_decay), _p(scale), _p(keep), _p(entries), _p(u))
 
 
 @_gather_op.register_fake
-def _(tensors: list[Tensor], start: Tensor, numel: Tensor, row_tensor: Tensor, chunk: int, entries: Tensor) -> Tensor:
+def _(tensors: list[Tensor], start: Tensor, numel: Tensor, bare: Tensor, chunk: int, ranges: Tensor,
+      entries: Tensor) -> Tensor:
     return entries.new_empty(entries.numel(), dtype=torch.float32)
 
 
 @_stage_op.register_fake
-def _(tensors: list[Tensor], start: Tensor, numel: Tensor, row_tensor: Tensor, chunk: int, residual: Optional[Tensor],
-      entries: Tensor) -> tuple[Tensor, Tensor]:
+def _(tensors: list[Tensor], start: Tensor, numel: Tensor, bare: Tensor, chunk: int, ranges: Tensor,
+      residual: Optional[Tensor], entries: Tensor) -> tuple[Tensor, Tensor]:
     return entries.new_empty(entries.numel(), dtype=torch.float32), entries.new_empty((), dtype=torch.bool)

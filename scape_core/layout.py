@@ -299,6 +299,7 @@ class MaskShape:
         self._short: dict[tuple[int, int, bool], tuple[Tensor, Tensor, Tensor] | None] = {}
         self._pieces: dict[tuple[str, ...], tuple[ParamPiece, ...]] = {}
         self._slots: Tensor | None = None
+        self._row_entries: Tensor | None = None
 
     @property
     def slots(self) -> Tensor:
@@ -319,6 +320,28 @@ class MaskShape:
             slots = torch.cat([full, partial])
             self._slots = slots.to(torch.int32) if layout.rows * k < 2 ** 31 else slots
         return self._slots
+
+    @property
+    def row_entries(self) -> Tensor:
+        """Where each row's entries are among a mask's: ``(rows, 2)`` int64, the first entry's position and the
+        count (a full row's ``k``, a shorter row's own), on the CPU: what the C loops walk row by row
+        (:mod:`scape_core.fused`). Built once.
+
+        Example:
+            >>> layout = FlatLayout({"w": torch.zeros(20), "b": torch.zeros(3)}, chunk=8)   # rows: 8, 8, 4 | 3
+            >>> layout.mask_shape(0.25).row_entries.tolist()
+            [[0, 2], [2, 2], [4, 1], [5, 1]]
+        """
+        if self._row_entries is None:
+            layout, ranges = self._layout, torch.zeros(self._layout.rows, 2, dtype=torch.long)
+            full = layout.full_rows.cpu()
+            ranges[full, 0] = torch.arange(full.numel()) * self.k
+            ranges[full, 1] = self.k
+            partial = layout.partial_rows.cpu()
+            ranges[partial, 0] = self.full_entries + torch.tensor(self._offsets[:-1], dtype=torch.long)
+            ranges[partial, 1] = torch.tensor(self.partial_counts, dtype=torch.long)
+            self._row_entries = ranges
+        return self._row_entries
 
     @property
     def group_index(self) -> Tensor:

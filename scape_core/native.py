@@ -93,7 +93,8 @@ def _build() -> ctypes.CDLL:
             done = subprocess.run([compiler, *FLAGS, str(c_file), "-o", str(built), "-lm"], capture_output=True,
                                   text=True, timeout=120)
             if done.returncode:
-                raise OSError(f"{compiler} failed: {done.stderr.strip()[-500:]}")
+                errors = [line for line in done.stderr.splitlines() if "error" in line] or [done.stderr.strip()]
+                raise OSError(f"{compiler} failed: {errors[0][-300:]}")
             os.replace(built, target)
     loaded = ctypes.CDLL(str(target))
     for name, (restype, argtypes) in _signatures.items():

@@ -369,12 +369,13 @@ class ScapeAdamS(AdamS):
             found = self._tables[key] = (fused.RowTable.of(self.scape.layout, key),
                                          torch.tensor(group_of, dtype=torch.int32))
         table, group_of = found
-        s = fused.gather(grads, table, entries)
+        shape = self.scape.layout.mask_shape(mask.density)
+        s = fused.gather(grads, table, shape, entries)
         u = self._masked_update(mask, s, keep, hp)
         lr = [g["lr"] for g, _ in groups]
         alpha = torch.tensor([-r * g["weight_decay"] for r, (g, _) in zip(lr, groups)], dtype=torch.float32)
         decays = torch.tensor([bool(g["weight_decay"]) for g, _ in groups])
-        fused.update(values, table, group_of, alpha, decays, torch.tensor([-r for r in lr], dtype=torch.float32),
+        fused.update(values, table, shape, group_of, alpha, decays, torch.tensor([-r for r in lr], dtype=torch.float32),
                      keep, entries, u)
 
     def _staging_views(self, params: list[Tensor]) -> list[Tensor]:

@@ -9,23 +9,25 @@ import torch
 from scape_core import fused, native
 from scape_core.kernels import masked_update_pass
 from scape_core.layout import FlatLayout
+from scape_core.masks import Mask
 from scape_core.update_rules import UPDATE_RULES
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler")
 
 
 def _case(seed: int, chunk: int = 16):
-    """Three tensors on a padded layout (their last rows shorter), their gradients, a residual and entries that
-    include padding coordinates (a short row's padding slots), ascending per row, rows in order."""
+    """Three tensors on a padded layout (their last rows shorter), their gradients, a residual and a mask's
+    entries (its shape's order: a short row's padding slots are not entries)."""
     g = torch.Generator().manual_seed(seed)
     shapes = {"a": (5, 7), "b": (16,), "c": (3, 11)}
     params = {n: torch.randn(s, generator=g) for n, s in shapes.items()}
     layout = FlatLayout(params, chunk)
     grads = [torch.randn(s, generator=g) for s in shapes.values()]
     residual = torch.randn(layout.rows, chunk, generator=g)
-    cols = torch.stack([torch.randperm(chunk, generator=g)[:5].sort().values for _ in range(layout.rows)])
-    entries = (cols + torch.arange(layout.rows)[:, None] * chunk).view(-1)
-    return layout, list(params), params, grads, residual, entries
+    shape = layout.mask_shape(0.3)
+    cols = torch.stack([torch.randperm(chunk, generator=g)[:shape.k].sort().values for _ in range(layout.rows)])
+    entries = Mask(0.3, cols.to(torch.int16)).flat(layout)
+    return layout, shape, list(params), params, grads, residual, entries
 
 
 def _staged(layout: FlatLayout, names: list[str], tensors: list[torch.Tensor]) -> torch.Tensor:
@@ -37,28 +39,28 @@ def _staged(layout: FlatLayout, names: list[str], tensors: list[torch.Tensor]) -
 
 @pytest.mark.parametrize("seed", range(3))
 def test_gather_and_stage_read_what_the_staging_buffer_would(seed):
-    layout, names, _, grads, residual, entries = _case(seed)
+    layout, shape, names, _, grads, residual, entries = _case(seed)
     table = fused.RowTable.of(layout, names)
     flat = _staged(layout, names, grads)
-    assert torch.equal(fused.gather(grads, table, entries), flat[entries])
-    send, finite = fused.stage(grads, table, residual, entries)
+    assert torch.equal(fused.gather(grads, table, shape, entries), flat[entries])
+    send, finite = fused.stage(grads, table, shape, residual, entries)
     assert bool(finite) and torch.equal(send, flat[entries] + residual.view(-1)[entries])
     grads[1][3] = float("inf")
-    send, finite = fused.stage(grads, table, residual, entries)
+    send, finite = fused.stage(grads, table, shape, residual, entries)
     assert not bool(finite) and send.isnan().all()
     grads[1][3], grads[0][0, 0], grads[0][0, 1] = 0.0, 3e38, 3e38  # finite, but their fp32 sum is not
-    assert not bool(fused.stage(grads, table, None, entries)[1])
+    assert not bool(fused.stage(grads, table, shape, None, entries)[1])
 
 
 @pytest.mark.parametrize("ok", [True, False])
 @pytest.mark.parametrize("kept", [True, False])
 def test_finish_adds_the_residual_and_leaves_the_mean_on_the_mask(ok, kept):
-    layout, names, _, grads, residual, entries = _case(4)
+    layout, shape, names, _, grads, residual, entries = _case(4)
     table = fused.RowTable.of(layout, names)
     mean = torch.randn(entries.numel()) if ok else torch.zeros(entries.numel())
     rounding = torch.randn(entries.numel()) if kept else None
     flat, before = _staged(layout, names, grads), residual.clone().view(-1)
-    fused.finish(grads, table, residual, entries, mean, rounding, torch.tensor(ok))
+    fused.finish(grads, table, shape, residual, entries, mean, rounding, torch.tensor(ok))
     want = before.clone()
     if ok:
         want += flat
@@ -71,13 +73,13 @@ def test_finish_adds_the_residual_and_leaves_the_mean_on_the_mask(ok, kept):
 
 
 def test_update_decays_every_coordinate_and_moves_the_entries():
-    layout, names, params, _, _, entries = _case(5)
+    layout, shape, names, params, _, _, entries = _case(5)
     tensors = list(params.values())
     table = fused.RowTable.of(layout, names)
     u = torch.randn(entries.numel())
     before = _staged(layout, names, tensors)
     groups = torch.tensor([0, 1, 0], dtype=torch.int32)  # "b" in a group without decay
-    fused.update(tensors, table, groups, torch.tensor([-0.01, 0.0]), torch.tensor([True, False]),
+    fused.update(tensors, table, shape, groups, torch.tensor([-0.01, 0.0]), torch.tensor([True, False]),
                  torch.tensor([-0.1, -0.2]), torch.tensor(True), entries, u)
     decay = _staged(layout, names, [torch.full_like(t, 0.99 if i != 1 else 1.0) for i, t in enumerate(tensors)])
     scale = _staged(layout, names, [torch.full_like(t, -0.1 if i != 1 else -0.2) for i, t in enumerate(tensors)])
@@ -85,7 +87,7 @@ def test_update_decays_every_coordinate_and_moves_the_entries():
     want[entries] += scale[entries] * u
     assert torch.allclose(_staged(layout, names, tensors), want, rtol=1e-6, atol=1e-7)
     again = [t.clone() for t in tensors]
-    fused.update(again, table, groups, torch.tensor([-0.01, 0.0]), torch.tensor([True, False]),
+    fused.update(again, table, shape, groups, torch.tensor([-0.01, 0.0]), torch.tensor([True, False]),
                  torch.tensor([-0.1, -0.2]), torch.tensor(False), entries, torch.zeros_like(u))  # a skipped step
     assert all(torch.equal(a, b) for a, b in zip(again, tensors))
 
