@@ -200,6 +200,10 @@ class FlatLayout:
             self._shapes[density] = MaskShape(self, density)
         return self._shapes[density]
 
+    def keep_shapes(self, densities: tuple[float, ...]) -> None:
+        """Drop the shapes of other densities (a ramp's past stages: their index tensors are the largest)."""
+        self._shapes = {d: shape for d, shape in self._shapes.items() if d in densities}
+
     def block(self, world: int) -> int:
         """Rows of each rank's block when ``world`` ranks share the rows: ``ceil(rows / world)``."""
         return -(-self.rows // world)

@@ -360,8 +360,10 @@ class ScapeStateBase:
         done, self.step = self.step, self.step + 1
         self.counters["steps"] += 1
         self.selector.after_step(done, momentum, self.residual_buffer, self.window_buffer, beta1)
-        if self.sharded and self.schedule.ramp_densities:
-            self.shards.keep_plans(self.schedule.densities_from(self.step))
+        if self.schedule.ramp_densities:
+            self.layout.keep_shapes(self.schedule.densities_from(self.step))
+            if self.sharded:
+                self.shards.keep_plans(self.schedule.densities_from(self.step))
         now = (self.counters["bytes_sent"], self.counters["dense_bytes"])  # its mask all-gather included
         self.last_step_bytes = (now[0] - self._counted_before[0], now[1] - self._counted_before[1])
         self._counted_before = now
