@@ -94,7 +94,7 @@ def what_would_help(config: ScapeConfig) -> str:
     Example:
         >>> what_would_help(ScapeConfig(sparsity=0.99))
         'wire="native" (fp32 values: fewer coordinates to encode and update), sparsity above 0.99 (fewer \
-coordinates per step), kernels="compiled" (the passes over every coordinate fused)'
+coordinates per step), kernels="compiled" (on CUDA: the passes over every coordinate fused)'
     """
     hints = []
     if config.resolved_wire != "native":
@@ -102,7 +102,7 @@ coordinates per step), kernels="compiled" (the passes over every coordinate fuse
     if config.sparsity < 0.999:
         hints.append(f"sparsity above {config.sparsity:g} (fewer coordinates per step)")
     if config.kernels != "compiled":
-        hints.append('kernels="compiled" (the passes over every coordinate fused)')
+        hints.append('kernels="compiled" (on CUDA: the passes over every coordinate fused)')
     return ", ".join(hints)
 
 
