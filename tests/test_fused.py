@@ -113,3 +113,43 @@ def test_the_linear_rules_c_loop_writes_the_same_state(applied):
     u = rule.fused(out[0], {"sq": out[1]}, out[2], at, s, mask, 60, beta1=0.9, beta2=0.95, eps=1e-8)
     assert all(torch.equal(a, b) for a, b in zip(ref, out))  # m, sq and the windows: bit for bit
     assert torch.allclose(u, u_ref, rtol=2e-7, atol=0)  # u: torch's square root may round otherwise
+
+
+def _train(rank: int, world: int, with_c: bool, wire: str) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from scape_core import ScapeAdamS, ScapeState, scape_hook
+    from tests.models import batch, loss_fn, make_model
+
+    if not with_c:  # as a machine without a C compiler: the staging buffer's torch operators throughout
+        native._library, native._unavailable = None, "torch operators (test)"
+    model = make_model()
+    ddp = DDP(model, bucket_cap_mb=0.01)
+    state = ScapeState(ddp, sparsity=0.99, warmup_steps=2, ramp_steps=3, chunk_size=64, wire=wire,
+                       replica_check_every=1)
+    ddp.register_comm_hook(state, scape_hook)
+    opt = ScapeAdamS(ddp.parameters(), state, lr=1e-2, weight_decay=0.1)
+    for t in range(10):
+        loss_fn(ddp, *batch(t, rank)).backward()
+        torch.nn.utils.clip_grad_norm_(ddp.parameters(), 0.05)  # between backward and step: read from p.grad
+        opt.step()
+        opt.zero_grad()
+    out = dict(params=[p.detach().clone() for p in model.parameters()], residual=state.residual_buffer.clone(),
+               m=opt.momentum_buffer.clone(), staging=state.staging_buffer is not None)
+    state.wait()
+    return out
+
+
+@pytest.mark.parametrize("wire", ["native", "int4"])
+def test_the_c_loops_train_as_the_staging_buffers_operators(wire):
+    """Ten steps (a ramp, then 99%, a clip between backward and step, the replicas checked every step) through
+    the C loops and through torch's operators: the same training to fp32 rounding, each run's ranks identical."""
+    from tests.dist import run_distributed
+
+    fast, slow = (run_distributed(_train, with_c, wire) for with_c in (True, False))
+    for rank in range(2):
+        assert not fast[rank]["staging"] and slow[rank]["staging"]  # the C path keeps no staging buffer
+        for a, b in zip(fast[rank]["params"], slow[rank]["params"]):
+            assert torch.allclose(a, b, rtol=1e-4, atol=1e-6)
+        assert torch.allclose(fast[rank]["m"], slow[rank]["m"], rtol=1e-3, atol=1e-6)
+        assert torch.allclose(fast[rank]["residual"], slow[rank]["residual"], rtol=1e-3, atol=1e-5)
