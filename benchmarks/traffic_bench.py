@@ -102,7 +102,7 @@ from benchmarks.bench_common import (  # noqa: E402
 )
 
 METHODS = ("DDP + AdamW fused", "DDP + AdamS", "SCAPE 99% default", "SCAPE 99% native", "SCAPE 90%",
-           "DDP + AdamS compiled", "SCAPE 99% default compiled", "SCAPE 99% native compiled", "SCAPE 90% compiled")
+           "SCAPE 99% default torch", "SCAPE 99% native torch", "DDP + AdamS compiled", "SCAPE 99% default compiled", "SCAPE 99% native compiled", "SCAPE 90% compiled")
 SCAPE_WARM = 5  # steps before the counted one: 2 dense (warm-up), 3 sparse (masks selected by the state's own score)
 
 FREE = {"_unsafe_view", "lift_fresh", "empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided",
@@ -446,7 +446,16 @@ def train_step(ddp: nn.Module, opt: torch.optim.Optimizer | None, x: Tensor, y: 
 
 def measure(method: str, base: nn.Module, data: Iterator[tuple[Tensor, Tensor]],
             bucket_view: bool = False) -> dict[str, Any]:
-    """The totals of one counted step of ``method`` (after its warm-up steps: SCAPE's are sparse)."""
+    """The totals of one counted step of ``method`` (after its warm-up steps: SCAPE's are sparse); a method
+    ending in " torch" runs without the CPU's C kernels (the staging buffer's operators, as off the CPU)."""
+    from scape_core import native
+
+    if method.endswith(" torch"):
+        saved, native._library, native._unavailable = (native._library, native._unavailable), None, "torch"
+        try:
+            return measure(method[:-len(" torch")], base, data, bucket_view)
+        finally:
+            native._library, native._unavailable = saved
     ddp, opt, state = build(method, base, bucket_view)
     with synchronous_collectives():
         for _ in range(SCAPE_WARM if state is not None else 2):
