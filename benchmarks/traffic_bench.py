@@ -102,7 +102,8 @@ from benchmarks.bench_common import (  # noqa: E402
 )
 
 METHODS = ("DDP + AdamW fused", "DDP + AdamS", "SCAPE 99% default", "SCAPE 99% native", "SCAPE 90%",
-           "SCAPE 99% default torch", "SCAPE 99% native torch", "DDP + AdamS compiled", "SCAPE 99% default compiled", "SCAPE 99% native compiled", "SCAPE 90% compiled")
+           "SCAPE 99% default staging", "SCAPE 99% native staging", "SCAPE 90% staging", "DDP + AdamS compiled",
+           "SCAPE 99% default compiled", "SCAPE 99% native compiled", "SCAPE 90% compiled")
 SCAPE_WARM = 5  # steps before the counted one: 2 dense (warm-up), 3 sparse (masks selected by the state's own score)
 
 FREE = {"_unsafe_view", "lift_fresh", "empty", "empty_like", "new_empty", "empty_strided", "new_empty_strided",
@@ -447,9 +448,19 @@ def train_step(ddp: nn.Module, opt: torch.optim.Optimizer | None, x: Tensor, y: 
 def measure(method: str, base: nn.Module, data: Iterator[tuple[Tensor, Tensor]],
             bucket_view: bool = False) -> dict[str, Any]:
     """The totals of one counted step of ``method`` (after its warm-up steps: SCAPE's are sparse); a method
-    ending in " torch" runs without the CPU's C kernels (the staging buffer's operators, as off the CPU)."""
-    from scape_core import native
+    ending in " staging" runs the staging buffer's operators (as off the CPU) with the C pick, one ending in
+    " torch" no C kernel at all (a CPU without a C compiler)."""
+    from scape_core import fused, native
+    from scape_core.update_rules import UPDATE_RULES
 
+    if method.endswith(" staging"):  # the C pick kept, the step's loops as off the CPU: the staging buffer's path
+        linear, runs_here = UPDATE_RULES["linear"], fused.runs_here
+        fused.runs_here, linear.fused = (lambda *args: False), (lambda *args, **kwargs: None)
+        try:
+            return measure(method[:-len(" staging")], base, data, bucket_view)
+        finally:
+            fused.runs_here = runs_here
+            del linear.fused  # the class's method again
     if method.endswith(" torch"):
         saved, native._library, native._unavailable = (native._library, native._unavailable), None, "torch"
         try:
@@ -577,9 +588,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--out", default=str(RESULTS / "traffic_bench.json"))
     args = p.parse_args(argv)
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = set(methods) - set(METHODS)
+    unknown = {m for m in methods if m.removesuffix(" staging").removesuffix(" torch") not in METHODS}
     if unknown:
-        raise SystemExit(f"unknown methods {sorted(unknown)}; choose from {METHODS}")
+        raise SystemExit(f"unknown methods {sorted(unknown)}; choose from {METHODS}, a SCAPE eager one may end in "
+                         "' staging' (the staging buffer's operators) or ' torch' (no C kernel)")
     t0 = time.time()
     with tempfile.TemporaryDirectory() as tmp:
         init_single_rank(tmp)
