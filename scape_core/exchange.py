@@ -16,9 +16,10 @@ caller's thread (:func:`run`), in three stages for DDP's hook and FSDP2's alike:
 
 DDP exchanges every bucket of a step at once, when the last one is in (the others' futures complete
 then): one exchange per step whatever the buckets, so the eager path is a fixed number of operators,
-each over the whole layout or the mask's entries. The gradients pass through one flat staging buffer
-in the layout's order (``ScapeStateBase.staging``), to and from the regions by one multi-tensor copy
-each. FSDP2 exchanges each parameter group in its own hook and files it into the step's record
+each over the whole layout or the mask's entries. On the CPU (fp32, DDP) :func:`stage` and :func:`finish`
+run as C loops over the regions themselves (:mod:`scape_core.fused`); elsewhere the gradients pass through
+one flat staging buffer in the layout's order (``ScapeStateBase.staging``), to and from the regions by one
+multi-tensor copy each. FSDP2 exchanges each parameter group in its own hook and files it into the step's record
 (:meth:`~scape_core.buckets.StepRecord.absorb`). A non-finite exchange drops its gradients whole: every
 rank's residual stays as before, as a dense step or torch's GradScaler drops a step.
 
