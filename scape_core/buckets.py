@@ -245,6 +245,7 @@ class StepRecord:
     entries: Tensor | None = None  # sparse: the flat indices of the exchange's entries
     rows: tuple[int, int] | None = None  # sparse: the layout rows the exchange's regions cover (None: every row)
     staging: Staging | None = None  # sparse, compiled kernels: where the entries sit in the regions
+    regions: tuple[list[Tensor], fused.RowTable] | None = None  # sparse, eager on the CPU: what the C loops walk
     applied_names: list[str] = field(default_factory=list)  # parameters with a gradient at the optimizer step
     density: float | None = None  # sparse: the mask's
     base: list[tuple[int, int]] | None = None  # the exchange's spans of the mask's entries (None: every entry)

@@ -96,7 +96,7 @@ def stage(state: "ScapeStateBase", record: StepRecord) -> None:
     (one pass), and ``g + e`` gathered at the entries, NaN everywhere if this rank's are not finite
     (so every rank drops the exchange). Where a value sits in what is sent never depends on how the
     regions are cut."""
-    table = _fused_table(state, record)
+    record.regions = table = _fused_table(state, record)  # finish walks the same
     if table is not None:  # on the CPU: read where the gradients are (scape_core.fused)
         shape = state.layout.mask_shape(record.density)
         record.send, finite = fused.stage(table[0], table[1], shape, state.residual_buffer, record.entries)
@@ -178,7 +178,7 @@ def finish(state: "ScapeStateBase", record: StepRecord, reduced: Tensor, kept: T
     """
     ok = all_finite(reduced)
     mean = reduced.masked_fill(~ok, 0.0)
-    table = _fused_table(state, record)
+    table = record.regions  # stage's
     if table is not None:
         fused.finish(table[0], table[1], state.layout.mask_shape(record.density), state.residual_buffer,
                      record.entries, mean, kept, ok)

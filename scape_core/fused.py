@@ -122,22 +122,17 @@ void scape_fused_update(float **t, const int64_t *start, const int64_t *numel, i
                         const int64_t *ranges, const int32_t *group, const float *alpha, const uint8_t *has_decay,
                         const float *scale, const uint8_t *keep, const int64_t *entries, const float *u) {
     float kept = *keep ? 1.0f : 0.0f;
-    for (int64_t i = 0; i < n; i++) {
+    EACH_ROW(
         int32_t k = group[i];
-        float d = 1.0f + alpha[k] * kept, step = scale[k];
-        int decays = has_decay[k];
-        int64_t r0 = start[i] / chunk, r1 = (start[i] + numel[i] + chunk - 1) / chunk;
-        for (int64_t r = r0; r < r1; r++) {
-            int64_t off = r * chunk - start[i];
-            int64_t len = numel[i] - off < chunk ? numel[i] - off : chunk;
-            float *row = t[i] + off;
-            if (decays) for (int64_t j = 0; j < len; j++) row[j] *= d;
-            for (int64_t p = ranges[2 * r]; p < ranges[2 * r] + ranges[2 * r + 1]; p++) {
-                int64_t col = entries[p] - r * chunk;
-                if (col < len) row[col] = row[col] + step * u[p];
-            }
+        if (has_decay[k]) {
+            float d = 1.0f + alpha[k] * kept;
+            for (int64_t j = 0; j < len; j++) row[j] *= d;
         }
-    }
+        for (int64_t p = p0; p < p1; p++) {
+            int64_t col = entries[p] - r * chunk;
+            if (col < len) row[col] = row[col] + scale[k] * u[p];
+        }
+    )
 }
 """
 _P, _I64 = ctypes.c_void_p, ctypes.c_int64

@@ -361,9 +361,10 @@ class ScapeStateBase:
         self.counters["steps"] += 1
         self.selector.after_step(done, momentum, self.residual_buffer, self.window_buffer, beta1)
         if self.schedule.ramp_densities:
-            self.layout.keep_shapes(self.schedule.densities_from(self.step))
+            ahead = self.schedule.densities_from(self.step)
+            self.layout.keep_shapes(ahead)
             if self.sharded:
-                self.shards.keep_plans(self.schedule.densities_from(self.step))
+                self.shards.keep_plans(ahead)
         now = (self.counters["bytes_sent"], self.counters["dense_bytes"])  # its mask all-gather included
         self.last_step_bytes = (now[0] - self._counted_before[0], now[1] - self._counted_before[1])
         self._counted_before = now
