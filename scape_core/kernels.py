@@ -521,7 +521,7 @@ class Kernels:
     def masked_update(self, rule: Any, momentum: Tensor, statistics: dict[str, Tensor], windows: Tensor | None,
                       local: Tensor, s: Tensor, applied: Tensor, step: int, **hp: float) -> Tensor:
         """:func:`masked_update_pass` (``step``: the one being applied); eager, a rule's fused form where it has
-        one that runs here (the linear rule's C loop on the CPU: the same bits)."""
+        one that runs here (the linear rule's C loop on the CPU, see :class:`~scape_core.update_rules.LinearUpdate`)."""
         fused = getattr(rule, "fused", None)
         if not self.compiled and fused is not None and windows is not None:
             u = fused(momentum, statistics, windows, local, s, applied, step, **hp)

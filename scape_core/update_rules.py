@@ -99,7 +99,8 @@ class LinearUpdate:
     """The default rule: the whole window sum ``s`` over a replicated scale ``d`` (module docstring).
 
     Written in single fp32 operations (no ``lerp`` or ``addcmul``, which torch fuses into FMAs in some
-    positions of a tensor and not others): :data:`LINEAR_SOURCE` computes the same bits in C.
+    positions of a tensor and not others): :data:`LINEAR_SOURCE` computes the same ``m``, ``sq`` and windows in C,
+    and ``u`` but for the last bit of a square root (torch's on the CPU is not always correctly rounded).
     """
 
     name = "linear"
@@ -121,9 +122,11 @@ class LinearUpdate:
     def fused(self, momentum: Tensor, statistics: dict[str, Tensor], windows: Tensor, at: Tensor, s: Tensor,
               applied: Tensor, step: int, *, beta1: float, beta2: float, eps: float) -> Tensor | None:
         """The whole masked update (``scape_core.kernels.masked_update_pass`` with this rule) as one C loop
-        over the entries on the CPU, the same bits; ``None`` where it does not run (not the CPU, no C
-        compiler, not contiguous fp32 buffers and int64 indices): the caller runs the torch operators."""
-        sq, tensors = statistics["sq"], (momentum, statistics["sq"], windows, at, s, applied)
+        over the entries on the CPU (the same state, see the class docstring); ``None`` where it does not run
+        (not the CPU, no C compiler, not contiguous fp32 buffers and int64 indices): the caller runs the torch
+        operators."""
+        sq = statistics["sq"]
+        tensors = (momentum, sq, windows, at, s, applied)
         if (any(t.device.type != "cpu" or not t.is_contiguous() for t in tensors) or at.dtype != torch.int64
                 or any(t.dtype != torch.float32 for t in (momentum, sq, windows, s)) or applied.dtype != torch.bool
                 or native.library() is None):
