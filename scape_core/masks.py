@@ -12,13 +12,14 @@ rows and the partitions are all-gathered (``ScapeState`` does that).
 
 from __future__ import annotations
 
+import ctypes
 import functools
 from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
 
-from scape_core import rowselect
+from scape_core import native, rowselect
 from scape_core.layout import FlatLayout, MaskShape
 
 # fp32 scores are ranked by their bits as int32 (the same order for every score >= 0: what the radix select
@@ -31,6 +32,24 @@ INT32_MIN = -2 ** 31
 # OVERDUE (n - 1), above every other coordinate whose |m| is below it, the longest-waiting first (exact in fp32)
 OVERDUE_EXPONENT = 100
 OVERDUE = 2.0 ** OVERDUE_EXPONENT
+
+
+ENTRIES_SOURCE = r"""
+/* A mask's entries from its columns: row r's first ranges[2r + 1] columns at ranges[2r] on (the shape's order),
+   each r * chunk + its column, as int64 or (narrow) int32. */
+void scape_mask_entries(const int16_t *cols, int64_t rows, int64_t k, int64_t chunk, const int64_t *ranges,
+                        int narrow, void *out) {
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t p0 = ranges[2 * r], count = ranges[2 * r + 1], base = r * chunk;
+        const int16_t *c = cols + r * k;
+        if (narrow) for (int64_t j = 0; j < count; j++) ((int32_t *)out)[p0 + j] = (int32_t)(base + c[j]);
+        else for (int64_t j = 0; j < count; j++) ((int64_t *)out)[p0 + j] = base + c[j];
+    }
+}
+"""
+native.register(ENTRIES_SOURCE, {"scape_mask_entries": (None, [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64,
+                                                              ctypes.c_int64, ctypes.c_void_p, ctypes.c_int,
+                                                              ctypes.c_void_p])})
 
 
 @dataclass
@@ -50,18 +69,50 @@ class Mask:
     def flat(self, layout: FlatLayout, narrow: bool = False) -> Tensor:
         """The entries: flat indices into a ``(rows, chunk)`` buffer, in the shape's order; int64 (what
         eager ``index_copy_`` takes), or ``narrow``: the layout's :attr:`~FlatLayout.index_dtype` (int32
-        up to 2^31 coordinates, half the bytes: what the compiled passes read). Each made once."""
+        up to 2^31 coordinates, half the bytes: what the compiled passes read). Each made once: on the CPU
+        by one C loop over the columns (:func:`entries_of`), elsewhere as torch operators.
+
+        Example:
+            >>> layout = FlatLayout({"w": torch.zeros(20), "b": torch.zeros(3)}, chunk=8)   # rows: 8, 8, 4 | 3
+            >>> cols = torch.tensor([[1, 5], [0, 7], [2, 3], [0, 1]], dtype=torch.int16)    # short rows: 1 each
+            >>> Mask(0.25, cols).flat(layout).tolist()
+            [1, 5, 8, 15, 18, 24]
+        """
         if narrow:
             if self._narrow is None:
-                self._narrow = self.flat(layout).to(layout.index_dtype)
+                dtype = layout.index_dtype
+                self._narrow = (entries_of(self.cols, layout, self.density, dtype) if self._flat is None
+                                else self._flat.to(dtype))
             return self._narrow
         if self._flat is None:
-            if self._narrow is not None:
-                self._flat = self._narrow.long()
-                return self._flat
-            shape = layout.mask_shape(self.density)
-            self._flat = self.cols.long().add_(layout.row_bases).view(-1).index_select(0, shape.slots)
+            self._flat = (self._narrow.long() if self._narrow is not None
+                          else entries_of(self.cols, layout, self.density, torch.int64))
         return self._flat
+
+
+def entries_of(cols: Tensor, layout: FlatLayout, density: float, dtype: torch.dtype) -> Tensor:
+    """A mask's entries (:meth:`Mask.flat`) as ``dtype`` (int64 or int32) from its ``(rows, k)`` int16 columns:
+    one C loop on the CPU, writing each entry once; elsewhere (or without the C kernels) a gather of the
+    columns plus their rows' bases, in torch operators (the same values)."""
+    shape = layout.mask_shape(density)
+    if (cols.device.type == "cpu" and cols.dtype == torch.int16 and cols.is_contiguous()
+            and native.library() is not None):
+        return torch.ops.scape.mask_entries(cols, shape.row_entries, layout.chunk, shape.entries,
+                                            dtype == torch.int32)
+    return cols.long().add_(layout.row_bases).reshape(-1).index_select(0, shape.slots).to(dtype)
+
+
+@torch.library.custom_op("scape::mask_entries", mutates_args=(), device_types="cpu")
+def _entries_op(cols: Tensor, ranges: Tensor, chunk: int, count: int, narrow: bool) -> Tensor:
+    out = torch.empty(count, dtype=torch.int32 if narrow else torch.int64)
+    native.library().scape_mask_entries(cols.data_ptr(), cols.shape[0], cols.shape[1], chunk, ranges.data_ptr(),
+                                        int(narrow), out.data_ptr())
+    return out
+
+
+@_entries_op.register_fake
+def _(cols: Tensor, ranges: Tensor, chunk: int, count: int, narrow: bool) -> Tensor:
+    return cols.new_empty(count, dtype=torch.int32 if narrow else torch.int64)
 
 
 def age_momentum_score(m: Tensor, synced_at: Tensor | None, target: int, max_window: int | None = None,

@@ -6,7 +6,7 @@ from hypothesis import strategies as st
 
 from scape_core.kernels import Kernels, pick_pass
 from scape_core.layout import FlatLayout, topk_count
-from scape_core.masks import Mask, age_momentum_score, select, select_groups, strided
+from scape_core.masks import Mask, age_momentum_score, entries_of, select, select_groups, strided
 from tests import reference
 
 densities = st.sampled_from([1e-6, 0.001, 0.01, 0.1, 0.25, 0.5, 0.75, 0.999999])
@@ -232,3 +232,19 @@ def test_narrow_entries_are_the_same_indices():
     wide, narrow = mask.flat(layout), mask.flat(layout, narrow=True)
     assert wide.dtype == torch.int64 and narrow.dtype == torch.int32 and torch.equal(narrow.long(), wide)
     assert mask.flat(layout, narrow=True) is narrow  # made once
+
+
+@settings(max_examples=25, deadline=None)
+@given(numels=st.lists(st.integers(1, 90), min_size=1, max_size=5), chunk=st.sampled_from([8, 16]),
+       density=st.sampled_from([0.1, 0.25, 0.5]), seed=st.integers(0, 99), narrow=st.booleans())
+def test_the_c_loops_entries_are_the_columns_gather(numels, chunk, density, seed, narrow):
+    # the C loop writes each row's counted columns at the row's place; the torch form gathers the slots
+    layout = layout_of(numels, chunk)
+    shape = layout.mask_shape(density)
+    g = torch.Generator().manual_seed(seed)
+    cols = torch.randint(0, chunk, (layout.rows, shape.k), generator=g).to(torch.int16)
+    want = cols.long().add_(layout.row_bases).view(-1).index_select(0, shape.slots)
+    dtype = torch.int32 if narrow else torch.int64
+    got = entries_of(cols, layout, density, dtype)
+    assert got.dtype == dtype and torch.equal(got.long(), want)
+    assert torch.equal(entries_of(cols.t().contiguous().t(), layout, density, dtype), got)  # strided: torch's form
