@@ -94,7 +94,6 @@ TIMER = Timer()
 def instrument() -> None:
     """Wrap the core's pieces (module attributes, so the hook and the state call the wrappers)."""
     import scape_core.exchange as exchange
-    import scape_core.kernels as kernels
     import scape_core.masks as masks
     import scape_core.selection as selection
     import scape_core.state as state
@@ -116,7 +115,7 @@ def instrument() -> None:
     TIMER.wrap(ScapeAdamS, "_sparse", "optimizer")
     TIMER.wrap(AdamS, "step", "adams_step")  # ScapeAdamS overrides step: this is dense only
     TIMER.wrap(exchange.dist, "all_reduce", "allreduce_launch")
-    for codec in (wire.WireBuffers, kernels.CompiledWire):  # an encoded wire's stages (eager or compiled)
+    for codec in (wire.WireBuffers, wire.CompiledWire):  # an encoded wire's stages (eager or compiled)
         for attr in ("send", "own_mean", "decode_gathered"):
             TIMER.wrap(codec, attr, "wire")
     TIMER.wrap(selection, "all_gather_into_tensor", "gather_launch")  # inside choose (scores read per rank)

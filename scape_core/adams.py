@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable, Iterable
 
 import torch
@@ -61,6 +62,29 @@ def adams_foreach(
     torch._foreach_addcdiv_(p32, momenta, denom, value=-lr)
     for i in low:  # fp32 math, stored back in the parameter's own dtype
         params[i].copy_(p32[i])
+
+
+def adams_pass(params: list[Tensor], grads: list[Tensor], momenta: list[Tensor], lr: Tensor, decay: Tensor,
+               beta1: float, beta2: float, eps: float) -> None:
+    """One AdamS step per tensor (``decay = 1 - lr * weight_decay``): ``m`` and ``theta`` in one loop each."""
+    for p, g, m in zip(params, grads, momenta):
+        g32 = g.float()
+        v = beta2 * m * m + (1 - beta2) * g32 * g32  # previous m, current gradient
+        m.lerp_(g32, 1 - beta1)
+        p.copy_(p.float() * decay - lr * m / (v.sqrt() + eps))
+
+
+def adams_compiled(kernels: Kernels, params: list[Tensor], grads: list[Tensor], momenta: list[Tensor], *, lr: float,
+                   beta1: float, beta2: float, eps: float, weight_decay: float) -> None:
+    """:func:`adams_foreach` as :func:`adams_pass` compiled: one fused loop per tensor."""
+    if params:
+        cpu = torch.device("cpu")
+        # one compiled copy per set of shapes and dtypes (e.g. per parameter group): dynamo keeps at most 8
+        # graphs per copy, so layer-wise learning rates over many groups would exhaust a single one
+        key = tuple((tuple(p.shape), p.dtype, g.dtype) for p, g in zip(params, grads))
+        kernels.get("AdamS", adams_pass, hash(key))(params, grads, momenta, kernels.scalar("lr", lr, cpu),
+                                                    kernels.scalar("decay", 1 - lr * weight_decay, cpu), beta1, beta2,
+                                                    eps)
 
 
 class AdamS(torch.optim.Optimizer):
@@ -130,7 +154,7 @@ class AdamS(torch.optim.Optimizer):
         """The AdamS step for ``group``: the reference (``foreach=False``), foreach, or the compiled pass."""
         if group["foreach"] is False:
             return adams_reference
-        return self.kernels.adams if self.kernels.compiled else adams_foreach
+        return functools.partial(adams_compiled, self.kernels) if self.kernels.compiled else adams_foreach
 
     def momentum(self, p: Tensor) -> Tensor:
         """The fp32 momentum buffer of ``p``, created (zeros) on first use."""

@@ -171,7 +171,7 @@ class RegionSpan(NamedTuple):
 
 class Staging:
     """Which region every entry of an exchange sits in, for the compiled passes
-    (:func:`scape_core.kernels.stage_pass`, :func:`scape_core.kernels.finish_pass`).
+    (:func:`scape_core.exchange.stage_pass`, :func:`scape_core.exchange.finish_pass`).
 
     ``spans``: :class:`RegionSpan` in entry order, adjacent ones of a region merged (a DDP bucket's
     parameters are neighbours in the layout: its full rows are one span, its shorter rows another),

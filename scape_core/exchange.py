@@ -27,7 +27,7 @@ Nothing here runs in a collective's completion callback: with NCCL a ``wait()`` 
 (the host does not block), and every kernel of the exchange runs on the caller's stream, in order, so
 what the optimizer reads next is written first (a callback would run on a side stream).
 
-The eager functions are the readable reference; the compiled ones (the passes of
+The eager functions are the readable reference; the compiled ones (the passes below, compiled by
 :mod:`scape_core.kernels`) are tested against them; a state chooses once (:func:`path`, from
 ``ScapeConfig.kernels``), as torch's ``adamw`` chooses between its single-tensor, foreach and fused
 functions. ``state`` is a :class:`~scape_core.state.ScapeStateBase`: its ``layout``, ``buckets``,
@@ -36,18 +36,20 @@ functions. ``state`` is a :class:`~scape_core.state.ScapeStateBase`: its ``layou
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, NamedTuple
+from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from scape_core import fused, inflight
-from scape_core.buckets import StepRecord
+from scape_core import fused, inflight, wire
+from scape_core.buckets import StepRecord, positions_in_regions
 from scape_core.compat import all_gather_into_tensor
 
 if TYPE_CHECKING:
     from scape_core.state import ScapeStateBase
+
+Span = tuple[int, int, int]  # a region's entries (RegionSpan: region, lo, hi), at flat index + row shift
 
 
 def all_finite(x: Tensor) -> Tensor:
@@ -127,14 +129,67 @@ def _fused_table(state: "ScapeStateBase", record: StepRecord) -> tuple[list[Tens
 
 def stage_compiled(state: "ScapeStateBase", record: StepRecord) -> None:
     """:func:`stage` compiled: the compact buffer read from every region's buffer at once
-    (:func:`scape_core.kernels.stage_pass`, no staging copy), NaN in a region whose gradients are not
+    (:func:`stage_pass`, no staging copy), NaN in a region whose gradients are not
     finite (so every rank drops the exchange)."""
     shape = state.layout.mask_shape(record.density)
     record.staging = state.buckets.staging(tuple(x.bucket for x in record.exchanges), shape, record.base)
-    record.send, finite = state.kernels.stage([x.buffer for x in record.exchanges], state.residual_buffer,
-                                              record.entries, state.buckets.row_shift, record.staging.spans,
-                                              state.layout.chunk)
+    spans = record.staging.spans
+    record.send, finite = state.kernels.get("stage", stage_pass, hash(spans))(
+        [x.buffer for x in record.exchanges], state.residual_buffer, record.entries, state.buckets.row_shift, spans,
+        state.layout.chunk)
     record.local.append(finite.all())
+
+
+def stage_pass(buffers: list[Tensor], residual: Tensor | None, entries: Tensor, row_shift: Tensor,
+               spans: Sequence[Span], chunk: int) -> tuple[Tensor, Tensor]:
+    """A sparse step's compact buffer from every bucket at once: ``g + e`` at the mask's entries (fp32,
+    in entry order), NaN where this rank's bucket is not finite; returns it and the buckets' verdicts.
+    ``spans``: :attr:`scape_core.buckets.Staging.spans`; ``row_shift``:
+    :attr:`~scape_core.buckets.Buckets.row_shift`."""
+    finite = torch.stack([torch.isfinite(b).all() for b in buffers])
+    at = positions_in_regions(entries, row_shift, chunk)
+    parts = []
+    for j, lo, hi in spans:  # per span: in a graph, a per-entry mask (a cat of expanded verdicts) is 4x slower
+        part = buffers[j].index_select(0, at[lo:hi]).float()
+        if residual is not None:
+            part = part + residual.view(-1).index_select(0, entries[lo:hi])
+        parts.append(torch.where(finite[j], part, float("nan")))
+    return torch.cat(parts), finite
+
+
+def residual_pass(residuals: list[Tensor], grads: list[Tensor], keep: Tensor) -> None:
+    """``e_r += g_r`` per parameter if the step went through (``keep``, 0-dim bool), in place: the
+    non-finite drop and the add in one loop. ``residuals`` are views of one buffer that do not
+    overlap, passed as inputs: the graph writes nothing else of that buffer, so each is written in
+    place (``finish_pass``)."""
+    for e, g in zip(residuals, grads):
+        e.copy_(torch.where(keep, e + g.float(), e))
+
+
+def finish_pass(buffers: list[Tensor], residual: Tensor | None, entries: Tensor, reduced: Tensor,
+                kept: Tensor | None, ok: Tensor, row_shift: Tensor, spans: Sequence[Span], chunk: int) -> Tensor:
+    """After the exchange, the residual's add of the gradients and the buckets' zeroing, every bucket
+    at once: if the step went through (``ok``), the residual keeps ``kept`` (or 0) at the entries and
+    every bucket gets the mean there; if not, the residual stays and the buckets hold zeros. Returns
+    the means (fp32; 0 on a dropped step). As :func:`scape_core.exchange.finish`. ``entries`` may be
+    int32 (a mask's narrow entries, :meth:`~scape_core.masks.Mask.flat`), as in every pass that takes them.
+
+    The residual's add is a graph of its own (:func:`residual_pass`) and the zeroing an eager
+    multi-tensor operator. In this graph an add into each parameter's slice of the residual (which
+    it also writes at the entries) is functionalized into copies of the whole buffer (measured at
+    10M parameters: 0.5-2 s a step instead of 20-35 ms; ``docs/benchmarks.md``), and a bucket zeroed
+    and then written at the entries in one graph is written through a temporary of its size,
+    copied back at the end (inductor's generated code).
+    """
+    mean = torch.where(ok, reduced, 0.0)
+    if residual is not None:  # one write: several index_copy_ into one input would go through a copy of it
+        flat, index = residual.view(-1), entries.long()  # index_copy_ takes int64 (converted as it reads)
+        now = torch.zeros_like(mean) if kept is None else kept
+        flat.index_copy_(0, index, torch.where(ok, now, flat.index_select(0, index)))
+    at = positions_in_regions(entries, row_shift, chunk)
+    for j, lo, hi in spans:
+        buffers[j].index_copy_(0, at[lo:hi], mean[lo:hi].to(buffers[j].dtype))
+    return mean.float()
 
 
 def exchange_native(state: "ScapeStateBase", record: StepRecord) -> tuple[Tensor, Tensor | None]:
@@ -157,7 +212,7 @@ def exchange_encoded(state: "ScapeStateBase", record: StepRecord) -> tuple[Tenso
     stream dependency; with gloo the host waits, at the end of the backward, as DDP's own
     ``finalize_backward`` would)."""
     plan = state.buckets.wire_plan(record.send.numel())
-    codec = state.kernels.wire(plan, state.rank, record.send.device)
+    codec = wire.stages(state.kernels, plan, state.rank, record.send.device)
     sent, kept = codec.send(record.send)  # this rank's rounding stays in kept
     state.count(plan.entries, plan.nbytes, 0)  # as one all-reduce of the encoded buffer (see scape_core.wire)
     inflight.hold(dist.all_to_all_single(codec.received, sent, group=state.process_group, async_op=True)).wait()
@@ -202,8 +257,8 @@ def finish(state: "ScapeStateBase", record: StepRecord, reduced: Tensor, kept: T
 
 
 def finish_compiled(state: "ScapeStateBase", record: StepRecord, reduced: Tensor, kept: Tensor | None) -> None:
-    """:func:`finish` compiled: every region in one pass (:func:`scape_core.kernels.finish_pass`), the
-    residual's add a graph of its own (:func:`scape_core.kernels.residual_pass`)."""
+    """:func:`finish` compiled: every region in one pass (:func:`finish_pass`), the
+    residual's add a graph of its own (:func:`residual_pass`)."""
     spans, exchanges = record.staging.spans, record.exchanges
     ok = all_finite(reduced)
     if state.residual_buffer is not None:  # e_r += g_r if the step went through
@@ -212,10 +267,12 @@ def finish_compiled(state: "ScapeStateBase", record: StepRecord, reduced: Tensor
             residuals += x.bucket.residuals(state.layout, state.residual_buffer)
             grads += x.bucket.grads
         # one compiled copy per set of regions: the pass does not depend on the mask's density
-        state.kernels.residual(residuals, grads, ok, hash(tuple(x.bucket.names for x in exchanges)))
+        key = hash(tuple(x.bucket.names for x in exchanges))
+        state.kernels.get("residual", residual_pass, key)(residuals, grads, ok)
     torch._foreach_zero_([x.buffer for x in exchanges])  # outside the graph: in place (finish_pass)
-    record.values = state.kernels.finish([x.buffer for x in exchanges], state.residual_buffer, record.entries,
-                                         reduced, kept, ok, state.buckets.row_shift, spans, state.layout.chunk)
+    record.values = state.kernels.get("finish", finish_pass, hash(spans))(
+        [x.buffer for x in exchanges], state.residual_buffer, record.entries, reduced, kept, ok,
+        state.buckets.row_shift, spans, state.layout.chunk)
     record.finite.append(ok)
 
 

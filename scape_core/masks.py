@@ -20,7 +20,8 @@ import torch
 from torch import Tensor
 
 from scape_core import native, rowselect
-from scape_core.layout import FlatLayout, MaskShape
+from scape_core.kernels import Kernels
+from scape_core.layout import FlatLayout, MaskShape, short_group_index
 
 # fp32 scores are ranked by their bits as int32 (the same order for every score >= 0: what the radix select
 # of scape_core.rowselect reads); an excluded key is its bits or-ed with INT32_MIN
@@ -285,6 +286,114 @@ def select_groups(score: Tensor, layout: FlatLayout, shape: MaskShape, exclude: 
         short = keys.index_select(0, local).gather(1, index.flatten(1)).view(index.shape)
         cols.index_copy_(0, local, index.gather(2, short.argmax(-1, keepdim=True)).squeeze(-1))
     return cols.to(torch.int16)
+
+
+def age_score(m: Tensor, synced_at: Tensor, before: Tensor, due: Tensor | None) -> Tensor:
+    """:func:`scape_core.masks.age_momentum_score` as one expression (a compiled pass writes it nowhere):
+    ``|(synced_at - before) m|``, ``before = target - 1``, with ``|m|`` read as ``OVERDUE`` for a
+    coordinate last exchanged before ``due = target - max_window`` (0-dim tensors)."""
+    if due is not None:
+        m = m.masked_fill(synced_at < due, OVERDUE)
+    return ((synced_at - before) * m).abs()
+
+
+def age_momentum_pass(m: Tensor, synced_at: Tensor, before: Tensor, due: Tensor | None, out: Tensor) -> Tensor:
+    """The age score (:func:`age_score`) into ``out``."""
+    return out.copy_(age_score(m, synced_at, before, due))
+
+
+def best_in_groups(keys: Tensor) -> Tensor:
+    """The position of the largest int32 key along the last dimension, ties to the lowest, as one max:
+    each key widened to int64 with its reversed position in the low bits. Exact; in a compiled pass a
+    max reduces faster than an argmax (no index carried), and the widened keys are never stored.
+
+    Example:
+        >>> best_in_groups(torch.tensor([[3, 7, 7], [-5, -5, -9]], dtype=torch.int32))
+        tensor([1, 0])
+    """
+    width = keys.shape[-1]
+    back = (width - 1) - torch.arange(width, device=keys.device)
+    best = ((keys.long() << 32) | back).amax(-1)
+    return (width - 1) - (best & 0xFFFFFFFF)
+
+
+def pick_pass(m: Tensor, synced_at: Tensor, before: Tensor, due: Tensor | None, excluded: Tensor | None, k: int,
+              short: tuple[Tensor, Tensor, Tensor] | None, widest: int,
+              entry_rows: tuple[Tensor, Tensor, Tensor] | None,
+              index_dtype: torch.dtype = torch.int64) -> tuple[Tensor, Tensor | None]:
+    """``selection="groups"`` of the age score (:func:`age_score`) in one pass over ``m`` and the windows:
+    the score, the exclusion and each group's best, without writing the score. As
+    :func:`scape_core.masks.select_groups` (the same columns), for ``excluded`` (the mask being
+    flushed, ``(rows, k)`` columns) ``None`` or a groups mask of the same ``k``: its column of group
+    ``j`` lies in group ``j``, so the exclusion is a comparison in each group, not a scatter.
+
+    ``short``: the shorter rows' ``(index in these rows, length, picks)``
+    (:meth:`~scape_core.layout.MaskShape.short_rows`), cut into their own groups here (``widest``:
+    the widest); ``entry_rows``: ``(full rows, short rows, short slots that are entries)`` to return
+    the mask's entries too (every row selected), as ``index_dtype``. Returns ``(columns (rows, k) int16,
+    entries or None)``.
+    """
+    rows, chunk = m.shape
+    keys = age_score(m, synced_at, before, due).view(torch.int32)  # the bits order scores >= 0
+    size, wider = divmod(chunk, k)  # the first `wider` groups hold size + 1 columns
+    parts = []
+    for lo, hi, first, n, width in ((0, wider * (size + 1), 0, wider, size + 1),
+                                    (wider * (size + 1), chunk, wider, k - wider, size)):
+        if not n:
+            continue
+        starts = torch.arange(lo, hi, width, device=m.device)
+        part = keys[:, lo:hi].unflatten(1, (n, width))
+        if excluded is not None:
+            own = excluded[:, first:first + n].long() - starts  # each group's excluded offset
+            hit = torch.arange(width, device=m.device) == own[..., None]
+            part = torch.where(hit, excluded_key(part), part)
+        parts.append(best_in_groups(part) + starts)
+    cols = parts[0] if len(parts) == 1 else torch.cat(parts, 1)
+    if short is not None:  # each shorter row: `count` groups over its `length`, computed here, not read
+        local, length, count = short
+        index = short_group_index(length, count, k, widest, chunk)
+        short_keys = keys.index_select(0, local).gather(1, index.flatten(1)).view(index.shape)
+        if excluded is not None:
+            hit = index == excluded.index_select(0, local).long()[..., None]
+            short_keys = torch.where(hit, excluded_key(short_keys), short_keys)
+        picked = index.gather(2, best_in_groups(short_keys)[..., None]).squeeze(-1)
+        cols = cols.index_copy(0, local, picked)
+    entries = None
+    if entry_rows is not None:  # Mask.flat: every full row's picks, then the shorter rows' counted ones
+        full_rows, short_rows, short_slots = entry_rows
+        full = (cols.index_select(0, full_rows) + full_rows[:, None] * chunk).view(-1)
+        rest = (cols.index_select(0, short_rows) + short_rows[:, None] * chunk).view(-1).index_select(0, short_slots)
+        entries = torch.cat([full, rest]).to(index_dtype)
+    return cols.to(torch.int16), entries
+
+
+def age_steps(kernels: Kernels, target: int, max_window: int | None) -> tuple[Tensor, Tensor | None]:
+    """The age score's 0-dim inputs for the mask of ``target`` (read by the compiled passes): ``target - 1``
+    and, with a ``max_window``, ``target - max_window`` (fp32, exact: windows are fp32 steps)."""
+    cpu = torch.device("cpu")
+    due = None if max_window is None else kernels.scalar("due", target - max_window, cpu, torch.float32)
+    return kernels.scalar("before", target - 1, cpu, torch.float32), due
+
+
+def age_momentum_compiled(kernels: Kernels, m: Tensor, synced_at: Tensor, target: int, max_window: int | None,
+                          out: Tensor) -> Tensor:
+    """:func:`age_momentum_score` into ``out`` in one compiled pass (:func:`age_momentum_pass`)."""
+    before, due = age_steps(kernels, target, max_window)
+    key = (tuple(m.shape), due is None)  # the CPU's blocks
+    return kernels.get("score", age_momentum_pass, key)(m, synced_at, before, due, out)
+
+
+def pick_compiled(kernels: Kernels, m: Tensor, synced_at: Tensor, target: int, max_window: int | None,
+                  excluded: Tensor | None, layout: FlatLayout, shape: MaskShape, rows: slice,
+                  entries: bool) -> tuple[Tensor, Tensor | None]:
+    """:func:`pick_pass` compiled, for rows ``rows`` of ``layout`` (``m`` and ``synced_at`` hold those rows):
+    the mask of step ``target`` (one compiled copy per density, rows and exclusion)."""
+    before, due = age_steps(kernels, target, max_window)
+    short = shape.short_rows(rows.start, rows.stop)
+    entry_rows = (layout.full_rows, layout.partial_rows, shape.partial_index) if entries else None
+    key = (tuple(m.shape), shape.density, rows.start, rows.stop, excluded is None, entries, due is None)
+    return kernels.get("pick", pick_pass, key)(m, synced_at, before, due, excluded, shape.k, short, shape.widest,
+                                               entry_rows, layout.index_dtype)
 
 
 SELECTIONS = {"topk": select, "groups": select_groups}  # ScapeConfig.selection -> the rule

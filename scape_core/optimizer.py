@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import warnings
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 from torch import Tensor
@@ -11,10 +11,13 @@ from torch import Tensor
 from scape_core import checkpoint, fused
 from scape_core.adams import MOMENTUM, AdamS, check_grad
 from scape_core.checkpoint import every_rank_arrives
-from scape_core.layout import row_of
+from scape_core.kernels import Kernels
+from scape_core.layout import FlatLayout, row_of
 from scape_core.masks import Mask
 from scape_core.state import ScapeState, ScapeStateBase
-from scape_core.update_rules import UPDATE_RULES
+from scape_core.update_rules import UPDATE_RULES, masked_update, masked_update_pass
+
+Piece = tuple[int, int, int]  # a parameter's entries (ParamPiece: param, lo, hi)
 
 
 class ScapeAdamS(AdamS):
@@ -393,14 +396,13 @@ class ScapeAdamS(AdamS):
                          **hp: float) -> None:
         """The sparse step at the entries, compiled: the window sums read from ``p.grad`` there, the rule,
         every coordinate decayed and ``-lr u`` added at the entries of each parameter, in two passes
-        (:func:`scape_core.kernels.sparse_step_pass`, :func:`scape_core.kernels.update_pass`)."""
+        (:func:`sparse_step_pass`, :func:`update_pass`)."""
         scape = self.scape
         entries = mask.flat(scape.layout, narrow=True)  # int32 where it fits
         pieces = scape.layout.mask_shape(mask.density).pieces([self._names[p] for p in with_grad])
         decay, scale = self._decay_and_scale(groups, skip, entries.device)
-        scape.kernels.sparse_step(self.rule, values, grads, self.momentum_buffer, self.statistics,
-                                  scape.window_buffer, entries, ~skip, scape.step, decay, scale, scape.layout,
-                                  pieces, **hp)
+        sparse_step_compiled(scape.kernels, self.rule, values, grads, self.momentum_buffer, self.statistics,
+                             scape.window_buffer, entries, ~skip, scape.step, decay, scale, scape.layout, pieces, **hp)
 
     def _decay_and_scale(self, groups: list[tuple[dict[str, Any], list[Tensor]]], skip: Tensor,
                          device: torch.device) -> tuple[list[Tensor | None], list[Tensor]]:
@@ -430,9 +432,9 @@ class ScapeAdamS(AdamS):
             applied = applied.index_select(0, positions) if applied.dim() else applied
         scape, windows = self.scape, self.scape.window_buffer  # the window lengths n, if kept; marked exchanged now
         flat = scape.flat  # the buffers' 1-D views, made once
-        u = self.kernels.masked_update(self.rule, flat(self.momentum_buffer),
-                                       {k: flat(b) for k, b in self.statistics.items()},
-                                       None if windows is None else flat(windows), local, s, applied, scape.step, **hp)
+        u = masked_update(self.kernels, self.rule, flat(self.momentum_buffer),
+                          {k: flat(b) for k, b in self.statistics.items()},
+                          None if windows is None else flat(windows), local, s, applied, scape.step, **hp)
         return u if positions is None else self.scape.shards.gather_updates(u, mask.density)
 
     def _entries_with_grad(self, params: list[Tensor], entries: Tensor, keep: Tensor) -> Tensor:
@@ -443,3 +445,79 @@ class ScapeAdamS(AdamS):
             if name not in with_grad:  # rare (unused parameters): one fill each
                 rows[layout.first_row[name]:layout.first_row[name] + layout.nrows[name]] = False
         return rows.index_select(0, row_of(entries, layout.chunk)) & keep
+
+
+def within_parameters(entries: Tensor, row_start: Tensor, chunk: int) -> Tensor:
+    """Each flat entry's index in its own parameter (``row_start``: :attr:`~scape_core.layout.FlatLayout.row_start`)."""
+    return entries - row_start.index_select(0, row_of(entries, chunk))
+
+
+def gather_pass(grads: list[Tensor], entries: Tensor, row_start: Tensor, chunk: int,
+                pieces: Sequence[Piece]) -> Tensor:
+    """The gradient at every mask entry (fp32), read from each tensor where its entries fall
+    (``pieces``: :class:`~scape_core.layout.ParamPiece`): one index per parameter's piece."""
+    at = within_parameters(entries, row_start, chunk)
+    return torch.cat([grads[i].reshape(-1).index_select(0, at[lo:hi]).float() for i, lo, hi in pieces])
+
+
+def decay_pass(params: list[Tensor], decay: list[Tensor | None]) -> None:
+    """``theta *= decay`` per tensor (``None``: no decay), in place: one multi-tensor multiply per factor
+    (a parameter group's)."""
+    by_factor: list[tuple[Tensor, list[Tensor]]] = []
+    for p, d in zip(params, decay):
+        if d is None:
+            continue
+        same = next((members for factor, members in by_factor if factor is d), None)
+        if same is None:
+            by_factor.append((d, [p]))
+        else:
+            same.append(p)
+    for d, members in by_factor:
+        torch._foreach_mul_(members, d)
+
+
+def update_pass(params: list[Tensor], entries: Tensor, u: Tensor, scale: list[Tensor], row_start: Tensor,
+                chunk: int, pieces: Sequence[Piece]) -> None:
+    """``theta[j] += scale * u[j]`` at the entries, in place (``scale * u`` once per parameter group's
+    scale, then one indexed add per parameter's piece).
+
+    A pass of its own, not the decay's: in one graph, an in-place multiply and then an indexed add
+    into the same tensor is compiled into a copy of the whole tensor written back at the end
+    (seen in inductor's generated code: 8 B/param more), each alone is in place.
+    """
+    at = within_parameters(entries, row_start, chunk)
+    scaled: list[tuple[Tensor, Tensor]] = []  # (a group's scale, u times it)
+    for i, lo, hi in pieces:
+        step = next((v for s, v in scaled if s is scale[i]), None)
+        if step is None:
+            step = u * scale[i]
+            scaled.append((scale[i], step))
+        p = params[i].view(-1)
+        p.index_add_(0, at[lo:hi], step[lo:hi].to(p.dtype))
+
+
+def sparse_step_pass(rule: Any, params: list[Tensor], grads: list[Tensor], momentum: Tensor,
+                     statistics: dict[str, Tensor], windows: Tensor | None, entries: Tensor, applied: Tensor,
+                     step: Tensor, decay: list[Tensor | None], row_start: Tensor, chunk: int,
+                     pieces: Sequence[Piece], beta1: float, beta2: float, eps: float) -> Tensor:
+    """A replicated sparse step's optimizer half but the update: the window sums read from ``p.grad``
+    (:func:`gather_pass`), the rule (:func:`masked_update_pass`) and the decay (:func:`decay_pass`);
+    returns ``u`` for :func:`update_pass`. (A skipped step's exchanged values went back into the
+    residual in :func:`finish_pass`.)"""
+    s = gather_pass(grads, entries, row_start, chunk, pieces)
+    u = masked_update_pass(rule, momentum, statistics, windows, entries, s, applied, step, beta1, beta2, eps)
+    decay_pass(params, decay)
+    return u
+
+
+def sparse_step_compiled(kernels: Kernels, rule: Any, params: list[Tensor], grads: list[Tensor], momentum: Tensor,
+                         statistics: dict[str, Tensor], windows: Tensor | None, entries: Tensor, applied: Tensor,
+                         step: int, decay: list[Tensor | None], scale: list[Tensor], layout: FlatLayout,
+                         pieces: Sequence[Piece], **hp: float) -> None:
+    """A replicated sparse step's optimizer half compiled (every parameter with a gradient):
+    :func:`sparse_step_pass`, then :func:`update_pass`, each one compiled copy per set of pieces."""
+    at = kernels.scalar("step", step, entries.device, torch.float32)  # windows are fp32
+    u = kernels.get("sparse_step", sparse_step_pass, hash(pieces))(
+        rule, params, grads, momentum, statistics, windows, entries, applied, at, decay, layout.row_start,
+        layout.chunk, pieces, hp["beta1"], hp["beta2"], hp["eps"])
+    kernels.get("update", update_pass, hash(pieces))(params, entries, u, scale, layout.row_start, layout.chunk, pieces)

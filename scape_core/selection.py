@@ -21,7 +21,16 @@ from scape_core.compat import all_gather_into_tensor
 from scape_core.config import ScapeConfig
 from scape_core.kernels import Kernels
 from scape_core.layout import FlatLayout, MaskShape
-from scape_core.masks import SELECTIONS, Mask, age_momentum_score, momentum_residual_score, select_age, strided
+from scape_core.masks import (
+    SELECTIONS,
+    Mask,
+    age_momentum_compiled,
+    age_momentum_score,
+    momentum_residual_score,
+    pick_compiled,
+    select_age,
+    strided,
+)
 
 # the CPU scores and picks 1M values at a time: where a score is stored (groups, the residual's score), a 4 MB
 # scratch at any model size instead of 4 B per parameter, and no slower than the whole layout at once
@@ -56,8 +65,8 @@ def score(kind: str, m: Tensor, residual: Tensor | None, windows: Tensor | None,
         return momentum_residual_score(m, residual, beta1)
     if kind == "age_momentum":
         if kernels is not None and kernels.compiled and windows is not None:  # one fused pass
-            return kernels.age_momentum(m, windows, target, max_window,
-                                        out if out is not None else torch.empty_like(m))
+            return age_momentum_compiled(kernels, m, windows, target, max_window,
+                                         out if out is not None else torch.empty_like(m))
         return age_momentum_score(m, windows, target, max_window, out=out, late=late)
     return torch.abs(m, out=out)
 
@@ -171,8 +180,8 @@ class MaskSelector:
         groups = self.config.selection == "groups"
         if self.fusable(shape, scheduled, w):  # one compiled pass: score, exclusion, picks (and the entries)
             excluded = None if scheduled is None else scheduled.cols[rows]
-            own, entries = self.kernels.pick(m, w, target, self.window_limit(shape), excluded, self.layout, shape,
-                                             rows, entries=self.whole)
+            own, entries = pick_compiled(self.kernels, m, w, target, self.window_limit(shape), excluded, self.layout,
+                                         shape, rows, entries=self.whole)
         else:
             own, entries = self.pick(rows, shape, scheduled, m, e, w, target, beta1), None
         if self.whole:  # every rank selected the whole mask itself: nothing to exchange
@@ -190,7 +199,7 @@ class MaskSelector:
         return None
 
     def fusable(self, shape: MaskShape, scheduled: Mask | None, windows: Tensor | None) -> bool:
-        """Whether the compiled pick (:meth:`~scape_core.kernels.Kernels.pick`) chooses this mask: compiled
+        """Whether the compiled pick (:func:`~scape_core.masks.pick_compiled`) chooses this mask: compiled
         kernels, one pick per group of the age-weighted score, and the mask being flushed (if any) a
         groups mask of the same density. Otherwise (the first masks, a ramp's change of density, after
         a resume) :meth:`pick` does, with the same columns."""

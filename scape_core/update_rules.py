@@ -28,12 +28,13 @@ register themselves with :func:`register_update_rule`.
 from __future__ import annotations
 
 import ctypes
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
 from scape_core import native
+from scape_core.kernels import Kernels
 
 
 class UpdateRule(Protocol):
@@ -121,7 +122,7 @@ class LinearUpdate:
 
     def fused(self, momentum: Tensor, statistics: dict[str, Tensor], windows: Tensor, at: Tensor, s: Tensor,
               applied: Tensor, step: int, *, beta1: float, beta2: float, eps: float) -> Tensor | None:
-        """The whole masked update (``scape_core.kernels.masked_update_pass`` with this rule) as one C loop
+        """The whole masked update (:func:`masked_update_pass` with this rule) as one C loop
         over the entries on the CPU (the same state, see the class docstring); ``None`` where it does not run
         (not the CPU, no C compiler, not contiguous fp32 buffers and int64 indices): the caller runs the torch
         operators."""
@@ -202,3 +203,49 @@ def _(m: Tensor, sq: Tensor, windows: Tensor, at: Tensor, s: Tensor, applied: Te
 
 register_update_rule(LazyUpdate())
 register_update_rule(LinearUpdate())
+
+
+def masked_update_pass(rule: Any, momentum: Tensor, statistics: dict[str, Tensor], windows: Tensor | None,
+                       local: Tensor, s: Tensor, applied: Tensor, step: Tensor, beta1: float, beta2: float,
+                       eps: float) -> Tensor:
+    """The update rule on the mask's entries (``local``: their flat indices in the state's buffers, which
+    may be given flat): reads ``m``, the statistics and the windows there, writes them back where
+    ``applied``, marks the entries exchanged at ``step``; returns ``u`` (0 where not applied). As
+    ``ScapeAdamS``'s eager path."""
+    local = local.long()  # index_copy_ takes int64 (a no-op for int64 entries)
+    if windows is not None:
+        windows = _flat(windows)
+        last = windows.index_select(0, local)
+        windows.index_copy_(0, local, torch.where(applied, step, last))
+        n = step - last
+    else:
+        n = torch.ones_like(s)
+    momentum = _flat(momentum)
+    m = momentum.index_select(0, local)
+    flats = {k: _flat(b) for k, b in statistics.items()}
+    stats = {k: b.index_select(0, local) for k, b in flats.items()}
+    u, m_new, stats_new = rule.update(s, n, m, stats, beta1=beta1, beta2=beta2, eps=eps)
+    momentum.index_copy_(0, local, torch.where(applied, m_new, m))
+    for key, value in stats_new.items():
+        flats[key].index_copy_(0, local, torch.where(applied, value, stats[key]))
+    return u.masked_fill(~applied, 0.0)
+
+
+def _flat(buffer: Tensor) -> Tensor:
+    """``buffer`` as 1-D (itself if it is: an eager caller passes the views it keeps)."""
+    return buffer if buffer.dim() == 1 else buffer.view(-1)
+
+
+def masked_update(kernels: Kernels, rule: UpdateRule, momentum: Tensor, statistics: dict[str, Tensor],
+                  windows: Tensor | None, local: Tensor, s: Tensor, applied: Tensor, step: int, **hp: float) -> Tensor:
+    """The rule at the entries (``step``: the one being applied): its fused form where it has one that runs
+    here in eager mode (the linear rule's C loop on the CPU, :meth:`LinearUpdate.fused`), else
+    :func:`masked_update_pass` (eager or compiled)."""
+    fused = getattr(rule, "fused", None)
+    if not kernels.compiled and fused is not None and windows is not None:
+        u = fused(momentum, statistics, windows, local, s, applied, step, **hp)
+        if u is not None:
+            return u
+    at = kernels.scalar("step", step, local.device, torch.float32)  # windows are fp32
+    run = kernels.get("masked_update", masked_update_pass, (local.numel(), applied.dim()))
+    return run(rule, momentum, statistics, windows, local, s, applied, at, hp["beta1"], hp["beta2"], hp["eps"])

@@ -41,6 +41,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from scape_core.kernels import Kernels
+
 _BITS = {"bfloat16": 16, "int8": 8, "int4": 4}  # the shipped wires; prototypes add theirs (register_integer_wire)
 _QMAX = {"int8": 127, "int4": 7}
 
@@ -324,3 +326,69 @@ class _Encoded:
                 torch.bitwise_right_shift(self.value_bytes, bits * i, out=self.field).bitwise_and_(mask)
             at.copy_(self.field)
         out.sub_(qmax).mul_(self.scale)
+
+
+def wire_send_pass(plan: WirePlan, values: Tensor) -> tuple[Tensor, Tensor]:
+    """An encoded wire's first stage: ``values`` (``(entries,)`` fp32) padded, cut into segments and
+    encoded; returns ``(bytes to send, (W, row_bytes); what the encoding rounded away, (entries,))``."""
+    segments = pad(plan, values)
+    send, decoded = encode_decoded(plan, segments)
+    return send, segments.sub_(decoded).view(-1)[:plan.entries]
+
+
+def wire_own_pass(plan: WirePlan, received: Tensor, kept: Tensor) -> Tensor:
+    """The owner's stage: the mean of every rank's copy of its segment, encoded; returns the encoded
+    mean and adds ``W`` times what that encoding rounded away to ``kept`` (this rank's share of the
+    send buffer's rounding, its segment's entries: the owner's residual keeps it), in place."""
+    mean = owner_mean(plan, received)
+    own, decoded = encode_decoded(plan, mean)
+    rounded = mean.sub_(decoded).mul_(plan.world).view(-1)
+    kept.add_(rounded[:kept.numel()])
+    return own
+
+
+def wire_decode_pass(plan: WirePlan, gathered: Tensor) -> Tensor:
+    """Every owner's encoded mean (``(W, row_bytes)``) decoded: the step's means, ``(entries,)``."""
+    return decode(plan, gathered).view(-1)[:plan.entries]
+
+
+class CompiledWire:
+    """:class:`WireBuffers`'s stages as the compiled passes (:func:`wire_send_pass`,
+    :func:`wire_own_pass`, :func:`wire_decode_pass`), the same interface."""
+
+    def __init__(self, kernels: Kernels, plan: WirePlan, rank: int, device: torch.device) -> None:
+        self.kernels, self.plan = kernels, plan
+        self.received = torch.empty(plan.world, plan.row_bytes, dtype=torch.uint8, device=device)
+        self.gathered = torch.empty(plan.world * plan.row_bytes, dtype=torch.uint8, device=device)
+        self.lo = rank * plan.segment  # the owner's segment among the entries
+        self.hi = max(self.lo, min(self.lo + plan.segment, plan.entries))
+        self._kept: Tensor | None = None
+
+    def send(self, values: Tensor) -> tuple[Tensor, Tensor]:
+        sent, self._kept = self.kernels.get("wire", wire_send_pass, self.plan)(self.plan, values)
+        return sent, self._kept
+
+    def own_mean(self) -> Tensor:
+        kept = self._kept[self.lo:self.hi]
+        return self.kernels.get("wire_own", wire_own_pass, (self.plan, kept.numel()))(self.plan, self.received, kept)
+
+    def decode_gathered(self) -> Tensor:
+        gathered = self.gathered.view(self.plan.world, self.plan.row_bytes)
+        return self.kernels.get("wire_decode", wire_decode_pass, self.plan)(self.plan, gathered)
+
+
+def stages(kernels: Kernels, plan: WirePlan, rank: int, device: torch.device) -> "WireBuffers | CompiledWire":
+    """The encoded wire's stages for ``plan`` on rank ``rank``: on buffers made once (eager,
+    :class:`WireBuffers`) or the compiled passes (:class:`CompiledWire`). The last plan's is kept (a ramp's
+    denser plans are dropped once the density changes).
+
+    Example:
+        >>> codec = stages(Kernels("eager"), WirePlan("int8", entries=4, world=1, block=4), 0, torch.device("cpu"))
+        >>> sent, kept = codec.send(torch.tensor([1.0, -2.0, 0.5, 0.0]))
+        >>> _ = codec.received.copy_(sent), codec.gathered.copy_(codec.own_mean())  # as the collectives would
+        >>> codec.decode_gathered()             # 127 steps of max / 127
+        tensor([ 1.0079, -2.0000,  0.5039,  0.0000])
+    """
+    if kernels.compiled:
+        return kernels.last("wire", (plan, rank, device), lambda: CompiledWire(kernels, plan, rank, device))
+    return kernels.last("wire", (plan, rank, device), lambda: WireBuffers(plan, rank, device))

@@ -9,7 +9,9 @@ import pytest
 import torch
 
 from scape_core import kernels
-from scape_core.kernels import Kernels, adams_pass, compile_kernel, deterministic, sparse_step_pass, update_pass
+from scape_core.adams import adams_pass
+from scape_core.kernels import Kernels, compile_kernel, deterministic
+from scape_core.optimizer import sparse_step_pass, update_pass
 from tests.dist import run_distributed
 from tests.models import batch, loss_fn, make_model
 
@@ -67,18 +69,18 @@ def test_two_states_passes_compile_separate_code_objects(monkeypatch):
     monkeypatch.setattr(torch, "compile", lambda fn, **kwargs: handed.append(fn) or fn)
     first, second = Kernels("compiled"), Kernels("compiled")
     for state in (first, second):
-        state._fn("AdamS", adams_pass, 1)
-        state._fn("AdamS", adams_pass, 2)  # another key of the same state (another set of shapes)
-        state._fn("AdamS", adams_pass, 1)  # built once per key
-        state._fn("sparse_step", sparse_step_pass, 1)
-        state._fn("update", update_pass, 1)
+        state.get("AdamS", adams_pass, 1)
+        state.get("AdamS", adams_pass, 2)  # another key of the same state (another set of shapes)
+        state.get("AdamS", adams_pass, 1)  # built once per key
+        state.get("sparse_step", sparse_step_pass, 1)
+        state.get("update", update_pass, 1)
     codes = [fn.__code__ for fn in handed]
     assert len(handed) == 2 * 4
     assert len({id(code) for code in codes}) == len(codes), "two passes share one code object"
     assert not {id(adams_pass.__code__), id(sparse_step_pass.__code__), id(update_pass.__code__)} & {
         id(code) for code in codes}
-    assert first._fn("AdamS", adams_pass, 1) is not second._fn("AdamS", adams_pass, 1)
-    assert Kernels("eager")._fn("AdamS", adams_pass, 1) is adams_pass  # eager: the function itself
+    assert first.get("AdamS", adams_pass, 1) is not second.get("AdamS", adams_pass, 1)
+    assert Kernels("eager").get("AdamS", adams_pass, 1) is adams_pass  # eager: the function itself
 
 
 # ----------------------------------------------------------------------------------------
@@ -116,7 +118,7 @@ def _two_groups(rank: int, world: int) -> dict:
 
 def test_the_compiled_sparse_step_applies_each_groups_lr_as_eager():
     """The compiled sparse step (:meth:`ScapeAdamS._sparse_compiled`: per-group decay factors and ``-lr``
-    scalars read by :func:`scape_core.kernels.update_pass`) moves two parameter groups of different lr and
+    scalars read by :func:`scape_core.optimizer.update_pass`) moves two parameter groups of different lr and
     weight decay as the eager step does. One ``-lr`` slot shared by the groups (the last group's lr for all)
     fails it. The passes run uncompiled: what is pinned is the plumbing, not inductor."""
     for out in run_distributed(_two_groups):

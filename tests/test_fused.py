@@ -7,10 +7,9 @@ import pytest
 import torch
 
 from scape_core import fused, native
-from scape_core.kernels import masked_update_pass
 from scape_core.layout import FlatLayout
 from scape_core.masks import Mask
-from scape_core.update_rules import UPDATE_RULES
+from scape_core.update_rules import UPDATE_RULES, masked_update_pass
 
 pytestmark = pytest.mark.skipif(not native.available(), reason="no C compiler")
 

@@ -13,8 +13,10 @@ import pytest
 import torch
 from torch._inductor.utils import run_and_get_code
 
+from scape_core.exchange import finish_pass, residual_pass
 from scape_core.kernels import Kernels
 from scape_core.layout import FlatLayout
+from scape_core.optimizer import sparse_step_compiled
 from scape_core.update_rules import UPDATE_RULES
 
 ALLOCATION = re.compile(r"empty_strided_\w+\(\((\d+), \)")
@@ -48,7 +50,7 @@ def test_the_compiled_sparse_step_updates_parameters_and_state_in_place(decay):
     scale = [torch.tensor(-0.1)] * 2
     before = [p.clone() for p in s["params"]]
     _, code = run_and_get_code(
-        kernels.sparse_step, UPDATE_RULES["linear"], s["params"], s["grads"], s["m"], {"sq": s["sq"]},
+        sparse_step_compiled, kernels, UPDATE_RULES["linear"], s["params"], s["grads"], s["m"], {"sq": s["sq"]},
         s["windows"], s["entries"], torch.tensor(True), 7, factors, scale, s["layout"], s["pieces"], beta1=0.9,
         beta2=0.95, eps=1e-8)
     mutated = {p.numel() for p in s["params"]} | {s["m"].numel()}
@@ -65,8 +67,8 @@ def test_the_compiled_finish_writes_the_buckets_and_the_residual_in_place():
     reduced = torch.randn(entries.numel())
     row_shift = torch.tensor([0, 0] + [-2 * 64] * 4)  # each parameter its own region, from its offset 0
     spans = s["pieces"]  # each parameter its own region
-    mean, code = run_and_get_code(kernels.finish, buffers, residual, entries, reduced, None, torch.tensor(True),
-                                  row_shift, spans, 64)
+    mean, code = run_and_get_code(kernels.get("finish", finish_pass), buffers, residual, entries, reduced, None,
+                                  torch.tensor(True), row_shift, spans, 64)
     mutated = {b.numel() for b in buffers} | {residual.numel()}
     assert code and not temporaries(code) & mutated, temporaries(code)
     assert torch.equal(residual.view(-1)[entries], torch.zeros(entries.numel()))  # what was sent left it
@@ -83,8 +85,8 @@ def test_the_compiled_residual_add_writes_each_view_in_place_and_drops_a_step_th
     before = [v.clone() for v in views]
     poisoned = [g.clone() for g in s["grads"]]
     poisoned[1][3] = float("nan")  # a step that is not finite: no residual may move
-    _, code = run_and_get_code(kernels.residual, views, poisoned, torch.tensor(False), "k")
+    _, code = run_and_get_code(kernels.get("residual", residual_pass), views, poisoned, torch.tensor(False))
     assert code and not temporaries(code) & ({v.numel() for v in views} | {residual.numel()}), temporaries(code)
     assert all(torch.equal(v, b) for v, b in zip(views, before))
-    kernels.residual(views, s["grads"], torch.tensor(True), "k")  # the same graph: the step went through
+    kernels.get("residual", residual_pass)(views, s["grads"], torch.tensor(True))  # the same graph: went through
     assert all(torch.equal(v, b + g) for v, b, g in zip(views, before, s["grads"]))

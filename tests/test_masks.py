@@ -4,9 +4,18 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from scape_core.kernels import Kernels, pick_pass
+from scape_core.kernels import Kernels
 from scape_core.layout import FlatLayout, topk_count
-from scape_core.masks import Mask, age_momentum_score, entries_of, select, select_groups, strided
+from scape_core.masks import (
+    Mask,
+    age_momentum_score,
+    entries_of,
+    pick_compiled,
+    pick_pass,
+    select,
+    select_groups,
+    strided,
+)
 from tests import reference
 
 densities = st.sampled_from([1e-6, 0.001, 0.01, 0.1, 0.25, 0.5, 0.75, 0.999999])
@@ -195,7 +204,7 @@ FUSED_MAX_WINDOW = 4
 @settings(max_examples=60, deadline=None)
 @given(sizes, chunks, densities, st.integers(0, 2**31 - 1), st.booleans(), st.booleans(), st.integers(0, 4))
 def test_the_fused_pick_chooses_the_groups_columns_and_entries(numels, chunk, density, seed, flushed, ties, cut):
-    """:func:`scape_core.kernels.pick_pass` (the compiled pick, run here as torch operators): the score,
+    """:func:`scape_core.masks.pick_pass` (the compiled pick, run here as torch operators): the score,
     the exclusion of a groups mask of the same density and each group's best in one function give
     :func:`select_groups`'s columns and the mask's entries, also for a partition of the rows."""
     layout, shape, m, windows, exclude, want = _fused_case(numels, chunk, density, seed, flushed, ties)
@@ -220,8 +229,9 @@ def test_the_compiled_pick_is_the_same_as_the_eager_one():
     for numels, chunk, density in (([3 * 4096 + 5, 300, 17], 4096, 0.0753), ([500, 64, 3], 64, 0.25)):
         for flushed in (True, False):
             layout, shape, m, windows, exclude, want = _fused_case(numels, chunk, density, 0, flushed, ties=True)
-            cols, entries = kernels.pick(m, windows, 7, FUSED_MAX_WINDOW, None if exclude is None else exclude.cols,
-                                         layout, shape, slice(0, layout.rows), entries=True)
+            excluded = None if exclude is None else exclude.cols
+            cols, entries = pick_compiled(kernels, m, windows, 7, FUSED_MAX_WINDOW, excluded, layout, shape,
+                                          slice(0, layout.rows), entries=True)
             assert torch.equal(cols, want.cols) and torch.equal(entries.long(), want.flat(layout))
     assert kernels.built == ("pick",)
 

@@ -73,7 +73,7 @@ def skip_runs() -> list[dict]:
 def test_the_lazy_rule_moves_nothing_on_a_skipped_step(skip_runs, kernels):
     """A skipped sparse step under ``update="lazy"`` leaves every parameter and ``m`` bit-identical: its ``u``
     (``m / sqrt(v)``, not 0 where the step is not applied, unlike the linear rule's ``s / d`` with ``s = 0``)
-    must be zeroed there (:func:`scape_core.kernels.masked_update_pass`). ``compiled``: the compiled path's
+    must be zeroed there (:func:`scape_core.update_rules.masked_update_pass`). ``compiled``: the compiled path's
     passes, run uncompiled."""
     for out in skip_runs:
         got = out["lazy"][kernels]

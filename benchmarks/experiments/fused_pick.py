@@ -2,7 +2,7 @@
 
 Eager, a selection writes the score (``|m| (n - 1)``) into a scratch buffer, moves the excluded
 coordinates below the others (a gather and a scatter) and takes each group's maximum (two ``argmax``
-over views). With ``kernels="compiled"`` the library runs :func:`scape_core.kernels.pick_pass`
+over views). With ``kernels="compiled"`` the library runs :func:`scape_core.masks.pick_pass`
 instead: the score, the exclusion of the mask being flushed (a groups mask of the same ``k``: one
 comparison per group) and each group's best are one function of ``m`` and the windows, which also
 writes the mask's entries; no score is stored. This checks that both choose the same columns and
@@ -28,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2]))  # run as a script 
 from benchmarks.bench_common import median_ms  # noqa: E402
 from scape_core.kernels import Kernels  # noqa: E402
 from scape_core.layout import FlatLayout  # noqa: E402
-from scape_core.masks import Mask, age_momentum_score, select_groups  # noqa: E402
+from scape_core.masks import Mask, age_momentum_score, pick_compiled, select_groups  # noqa: E402
 
 
 def eager_pick(layout: FlatLayout, m: Tensor, synced_at: Tensor, target: int, previous: Mask, density: float,
@@ -65,7 +65,7 @@ def main() -> None:
     every = slice(0, layout.rows)
 
     def fused() -> tuple[Tensor, Tensor]:
-        return kernels.pick(m, synced_at, target, previous.cols, layout, shape, every, entries=True)
+        return pick_compiled(kernels, m, synced_at, target, None, previous.cols, layout, shape, every, entries=True)
 
     t0 = time.perf_counter()
     cols, entries = fused()
