@@ -91,8 +91,8 @@ def run_rank(rank: int, world: int, port: int, case: str, steps: int, shift: int
         nn.functional.cross_entropy(ddp(x), y).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        if state.window_buffer is not None:  # steps since each coordinate was last exchanged
-            last = torch.cat([state.layout.view(state.window_buffer, n) for n in state.params])
+        if state.buffers.windows is not None:  # steps since each coordinate was last exchanged
+            last = torch.cat([state.layout.view(state.buffers.windows, n) for n in state.params])
             longest = max(longest, int(state.step - 1 - last.min().item()))
     seen = {n: _any_rank(f) for n, f in seen.items()}  # a gradient on any rank
     moved = {n: p.detach() != start[n] for n, p in model.named_parameters()}

@@ -155,7 +155,7 @@ def state_bytes(opt: torch.optim.Optimizer) -> int:
     tensors = [t for s in opt.state.values() for t in s.values() if torch.is_tensor(t)]
     scape = getattr(opt, "scape", None)
     if scape is not None:
-        tensors += [t for t in (scape.residual_buffer, scape.window_buffer) if t is not None]
+        tensors += [t for t in (scape.buffers.residual, scape.buffers.windows) if t is not None]
         tensors += [m.cols for m in scape.masks.values()]
     for t in tensors:
         key = t.untyped_storage().data_ptr()
@@ -207,10 +207,10 @@ def replica_check_seconds(state: Any, device: torch.device, repeats: int = 5) ->
     from scape_core.compat import all_gather_into_tensor
 
     def check() -> None:
-        _, mine = state.guard.fingerprints(state)
-        every = mine.new_empty(state.world_size * mine.numel())
-        all_gather_into_tensor(every, mine.view(-1), group=state.process_group)
-        bool((every.view(state.world_size, -1) != mine.view(1, -1)).any().cpu())
+        _, mine = state.guard.fingerprints(state.replicated())
+        every = mine.new_empty(state.comm.world_size * mine.numel())
+        all_gather_into_tensor(every, mine.view(-1), group=state.comm.process_group)
+        bool((every.view(state.comm.world_size, -1) != mine.view(1, -1)).any().cpu())
 
     times = []
     for _ in range(repeats + 1):

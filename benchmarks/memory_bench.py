@@ -103,7 +103,7 @@ def measure(name: str, base: nn.Module, data: Any) -> dict[str, Any]:
     counted, peak = [], 0
     for step in range(STEPS):
         if step in (1, STEPS - 2) and state is not None:  # after the dense step; before the last 2 sparse ones
-            counted.append(dict(state.counters))
+            counted.append(dict(state.comm.counters))
         x, y = next(data)
         ddp(x, y).backward()
         opt.step()
@@ -115,21 +115,21 @@ def measure(name: str, base: nn.Module, data: Any) -> dict[str, Any]:
     n = count_params(ddp.module)
     row: dict[str, Any] = {"params": n, "total": sum(held.values()) / n, "peak": peak / n}
     if state is not None:
-        named = {"m": opt.momentum_buffer, **opt.statistics, "windows": state.window_buffer,
-                 "residual": state.residual_buffer, "score workspace": state.selector.scratch,
-                 "overdue workspace": state.selector.late_scratch, "staging": state.staging_buffer}
+        named = {"m": opt.momentum_buffer, **opt.statistics, "windows": state.buffers.windows,
+                 "residual": state.buffers.residual, "score workspace": state.selector.scratch,
+                 "overdue workspace": state.selector.late_scratch, "staging": state.buffers.staging_buffer}
         for key, t in named.items():
             row[key] = held.pop(t.untyped_storage().data_ptr(), 0) / n if t is not None else 0.0
         row["other"] = sum(held.values()) / n
         scratch = row["score workspace"] + row["overdue workspace"] + row["staging"]  # holds nothing between steps
         row["state"] = row["total"] - scratch
         row["bytes_dense_step"] = {k: counted[0][k] for k in ("bytes_sent", "shard_bytes", "mask_bytes", "dense_bytes")}
-        after, before = state.counters, counted[1]
+        after, before = state.comm.counters, counted[1]
         sparse_steps = 2
         per_step = {k: (after[k] - before[k]) / sparse_steps for k in ("bytes_sent", "mask_bytes", "shard_bytes",
                                                                       "dense_bytes")}
         per_step["all_reduce"] = per_step["bytes_sent"] - per_step["mask_bytes"] - per_step["shard_bytes"]
-        w = state.world_size
+        w = state.comm.world_size
         per_step["wire"] = 2 * (w - 1) / w * per_step["all_reduce"] + (w - 1) * (per_step["mask_bytes"]
                                                                                + per_step["shard_bytes"])
         row["bytes_per_sparse_step"] = per_step

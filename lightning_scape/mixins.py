@@ -148,7 +148,7 @@ class ScapeStrategyMixin(ScapeBase):
             verify_file(path)
 
     def _check_hook_ran(self) -> None:
-        counters = self.scape_state.counters
+        counters = self.scape_state.comm.counters
         if counters["steps"] and not counters["hook_calls"]:
             raise RuntimeError("the SCAPE communication hook never ran: gradients reached the optimizer without "
                                "going through the DistributedDataParallel model's backward")

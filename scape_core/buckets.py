@@ -310,6 +310,14 @@ class StepRecord:
         self.synced.update(names)
         self.counts["hook_calls"] += 1
 
+    def count(self, values: int, nbytes: int, dense_bytes: int) -> None:
+        """Add a collective of the step (its values and bytes, and the bytes dense DDP would have sent):
+        the state's counters take :attr:`counts` when the step completes, so an interrupted step (an error
+        between backward and the optimizer step) is not counted."""
+        self.counts["values_sent"] += values
+        self.counts["bytes_sent"] += nbytes
+        self.counts["dense_bytes"] += dense_bytes
+
     def return_unapplied(self, residual: Tensor | None, entries: Tensor, applied: Tensor) -> None:
         """Exchanged values not applied go back into ``residual``: nothing sent is lost. ``applied``:
         bool, 0-dim or per entry (the optimizer's: entries of parameters that had no gradient at

@@ -10,8 +10,8 @@
 At the same world size every rank gets its own residual back; at another, every rank starts
 from the old ranks' mean residual (the global unsent gradient is kept), with a warning.
 
-It reads a state through ``ScapeState``'s public pieces, restores it through
-:meth:`~scape_core.state.ScapeStateBase.restore`, and imports no module that imports it.
+It reads a state through the pieces :class:`Checkpointable` names (which ``ScapeState`` and
+``ScapeFSDPState`` have), restores it through their ``restore``, and imports no module that imports it.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import warnings
 import zipfile
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -29,18 +29,55 @@ from torch import Tensor
 from torch.distributed import distributed_c10d
 
 from scape_core import inflight
+from scape_core.buffers import Buffers
+from scape_core.communicator import Communicator
+from scape_core.config import ScapeConfig
 from scape_core.guard import refuse_adam_with_scape_state
+from scape_core.layout import FlatLayout, Shard
 from scape_core.masks import Mask
-
-if TYPE_CHECKING:
-    from scape_core.state import ScapeState
+from scape_core.selection import MaskSelector
+from scape_core.sharding import ShardExchange
 
 STATE_FORMAT = 2
 ARRIVAL_TIMEOUT = 30.0  # seconds every rank has to reach save_checkpoint after the first one did
 _calls: dict[tuple[str, str], int] = {}  # (what, process group) -> collective calls started on this rank
 
 
-def state_dict(state: "ScapeState") -> dict[str, Any]:
+class Checkpointable(Protocol):
+    """What a checkpoint reads of a SCAPE state and how it restores one (``ScapeState`` is one)."""
+
+    config: ScapeConfig
+    params: dict[str, Tensor]  # the parameters by name
+    buffers: Buffers  # the residual and the windows
+    comm: Communicator  # the group, this rank, the counters
+    selector: MaskSelector  # the scheduled masks
+    shards: ShardExchange  # the rows of the windows this rank keeps
+    sharded: bool
+    step: int
+
+    @property
+    def layout(self) -> FlatLayout: ...
+
+    @property
+    def shard(self) -> Shard: ...
+
+    @property
+    def masks(self) -> dict[int, Mask]: ...
+
+    @property
+    def sparse_started(self) -> bool: ...
+
+    @property
+    def skipped_steps(self) -> int: ...
+
+    def check_replicas(self) -> None: ...
+
+    def restore(self, *, masks: dict[int, Mask], step: int, sparse_started: bool, counters: dict[str, int],
+                skipped: int, residual: dict[str, Tensor] | Tensor | None,
+                windows: dict[str, Tensor] | Tensor | None) -> None: ...
+
+
+def state_dict(state: Checkpointable) -> dict[str, Any]:
     """This rank's state: step, scheduled masks, residual and windows by name, counters (CPU tensors).
 
     Sharded, the windows are this rank's part of each parameter's (``"windows_rows"`` says
@@ -48,17 +85,17 @@ def state_dict(state: "ScapeState") -> dict[str, Any]:
     """
     state.selector.finish_pending()
     named = lambda buffer: {n: state.layout.view(buffer, n).detach().cpu().clone() for n in state.params}  # noqa: E731
-    counters = dict(state.counters, skipped_steps=state.skipped_steps)
-    windows = state.window_buffer
+    counters = dict(state.comm.counters, skipped_steps=state.skipped_steps)
+    windows = state.buffers.windows
     out = {
         "format": STATE_FORMAT,
         "step": state.step,
-        "world_size": state.world_size,
-        "rank": state.rank,
+        "world_size": state.comm.world_size,
+        "rank": state.comm.rank,
         "config": state.config.to_dict(),
         "shapes": {n: tuple(p.shape) for n, p in state.params.items()},
         "masks": {s: {"density": m.density, "cols": m.cols.cpu()} for s, m in state.masks.items()},
-        "residual": named(state.residual_buffer) if state.residual_buffer is not None else {},
+        "residual": named(state.buffers.residual) if state.buffers.residual is not None else {},
         "windows": {} if windows is None else {n: state.shard.view(windows, n).cpu().clone() for n in state.params},
         "sparse_started": state.sparse_started,
         "counters": counters,
@@ -68,7 +105,7 @@ def state_dict(state: "ScapeState") -> dict[str, Any]:
     return out
 
 
-def gather_state_dict(state: "ScapeState") -> dict[str, Any]:
+def gather_state_dict(state: Checkpointable) -> dict[str, Any]:
     """Every rank's SCAPE state in one object (collective: call on all ranks).
 
     Rank 0 can write it to a single checkpoint file; :meth:`ScapeState.load_state_dict` on each
@@ -81,25 +118,25 @@ def gather_state_dict(state: "ScapeState") -> dict[str, Any]:
         >>> len(full["residuals"]) == dist.get_world_size()     # rank 0 then saves it
         True
     """
-    state.guard.check(state)  # a checkpoint of ranks that drifted apart would resume the drift
+    state.check_replicas()  # a checkpoint of ranks that drifted apart would resume the drift
     own = state_dict(state)
-    if own.pop("windows_rows", None) is not None and state.window_buffer is not None:  # every rank's part
-        whole = state.shards.unshard(state.window_buffer)
+    if own.pop("windows_rows", None) is not None and state.buffers.windows is not None:  # every rank's part
+        whole = state.shards.unshard(state.buffers.windows)
         own["windows"] = {n: state.layout.view(whole, n).cpu().clone() for n in state.params}
-    if state.residual_buffer is not None:
-        out = [torch.empty_like(state.residual_buffer) for _ in range(state.world_size)]
-        inflight.collective(dist.all_gather, out, state.residual_buffer.contiguous(), group=state.process_group)
+    if state.buffers.residual is not None:
+        out = [torch.empty_like(state.buffers.residual) for _ in range(state.comm.world_size)]
+        inflight.collective(dist.all_gather, out, state.buffers.residual.contiguous(), group=state.comm.process_group)
         residuals = [{n: state.layout.view(r, n).cpu().clone() for n in state.params} for r in out]
         for r in out:  # the held work keeps these tensors a while longer (inflight): their memory goes now
             r.untyped_storage().resize_(0)
     else:
-        residuals = [{} for _ in range(state.world_size)]
+        residuals = [{} for _ in range(state.comm.world_size)]
     full = {k: v for k, v in own.items() if k not in ("residual", "rank")}
     full["residuals"] = residuals
     return full
 
 
-def check_loadable(state: "ScapeState", saved: Any) -> dict[str, Tensor]:
+def check_loadable(state: Checkpointable, saved: Any) -> dict[str, Tensor]:
     """Validate ``saved`` against this run (raises ``ValueError`` naming the difference); returns
     this rank's residual by name (its own, or the mean of every saved rank at another world size)."""
     if not isinstance(saved, dict) or saved.get("format") != STATE_FORMAT:
@@ -118,14 +155,14 @@ def check_loadable(state: "ScapeState", saved: Any) -> dict[str, Tensor]:
     state.config.check_resume(saved["config"], int(saved["step"]), saved["masks"])
     if "residuals" in saved:  # gathered: one residual dict per saved rank
         per_rank = saved["residuals"]
-        if len(per_rank) == state.world_size:
-            return per_rank[state.rank]
+        if len(per_rank) == state.comm.world_size:
+            return per_rank[state.comm.rank]
         names = set().union(*per_rank) if per_rank else set()
         return {n: torch.stack([r[n] for r in per_rank]).float().mean(0) for n in names}
-    if saved["world_size"] != state.world_size or saved["rank"] != state.rank:
+    if saved["world_size"] != state.comm.world_size or saved["rank"] != state.comm.rank:
         raise ValueError(
             f"this SCAPE state is rank {saved['rank']} of world size {saved['world_size']}; "
-            f"to resume on rank {state.rank} of {state.world_size}, save with gather_state_dict()")
+            f"to resume on rank {state.comm.rank} of {state.comm.world_size}, save with gather_state_dict()")
     rows = saved.get("windows_rows")
     if rows is not None and list(rows) != [state.shard.start, state.shard.stop]:
         raise ValueError(f"this SCAPE state holds the windows of rows {list(rows)} (saved with "
@@ -134,15 +171,15 @@ def check_loadable(state: "ScapeState", saved: Any) -> dict[str, Tensor]:
     return saved["residual"]
 
 
-def load_state_dict(state: "ScapeState", saved: dict[str, Any]) -> None:
+def load_state_dict(state: Checkpointable, saved: dict[str, Any]) -> None:
     """Restore a :func:`state_dict` or :func:`gather_state_dict` into ``state`` (validated first)."""
     _restore(state, saved, check_loadable(state, saved))
 
 
-def _restore(state: "ScapeState", saved: dict[str, Any], residual: dict[str, Tensor]) -> None:
-    saved_world = len(saved["residuals"]) if "residuals" in saved else state.world_size
-    if saved_world != state.world_size and state.rank == 0:  # once per load, on one rank
-        warnings.warn(f"resuming SCAPE state saved at world size {saved_world} on world size {state.world_size}: "
+def _restore(state: Checkpointable, saved: dict[str, Any], residual: dict[str, Tensor]) -> None:
+    saved_world = len(saved["residuals"]) if "residuals" in saved else state.comm.world_size
+    if saved_world != state.comm.world_size and state.comm.rank == 0:  # once per load, on one rank
+        warnings.warn(f"resuming SCAPE state saved at world size {saved_world} on world size {state.comm.world_size}: "
                       "every rank starts from the mean residual", stacklevel=3)
     device = state.layout.device
     windows = saved.get("windows", {})
@@ -156,7 +193,7 @@ def _restore(state: "ScapeState", saved: dict[str, Any], residual: dict[str, Ten
                   skipped=skipped, residual=residual, windows=windows)
 
 
-def save_checkpoint(path: str | os.PathLike, state: "ScapeState", *, arrival_timeout: float | None = None,
+def save_checkpoint(path: str | os.PathLike, state: Checkpointable, *, arrival_timeout: float | None = None,
                     **objects: Any) -> None:
     """Write one checkpoint from rank 0 (collective: call on every rank).
 
@@ -179,21 +216,21 @@ def save_checkpoint(path: str | os.PathLike, state: "ScapeState", *, arrival_tim
         >>> sorted(load_checkpoint(path, state, model=ddp.module))
         ['model', 'scape', 'step']
     """
-    rank0 = dist.get_rank(state.process_group) == 0
-    every_rank_arrives("save_checkpoint", state.process_group, ARRIVAL_TIMEOUT if arrival_timeout is None
+    rank0 = dist.get_rank(state.comm.process_group) == 0
+    every_rank_arrives("save_checkpoint", state.comm.process_group, ARRIVAL_TIMEOUT if arrival_timeout is None
                        else arrival_timeout, verdict=unwritable(path) if rank0 else None)
     full = gather_state_dict(state)
     for obj in objects.values():  # a sharded optimizer (ScapeAdamS, torch's ZeroRedundancyOptimizer) gathers first
         if hasattr(obj, "consolidate_state_dict"):
             obj.consolidate_state_dict(to=0)
-    if dist.get_rank(state.process_group) == 0:
+    if dist.get_rank(state.comm.process_group) == 0:
         payload = {k: v.state_dict() if hasattr(v, "state_dict") else v for k, v in objects.items()}
         payload["scape"] = full
         path = Path(path)
         tmp = path.with_name(path.name + ".tmp")
         torch.save(payload, tmp)
         os.replace(tmp, path)
-    inflight.collective(dist.barrier, group=state.process_group)
+    inflight.collective(dist.barrier, group=state.comm.process_group)
 
 
 def unwritable(path: str | os.PathLike) -> str | None:
@@ -262,7 +299,7 @@ def verify_folder(folder: str | os.PathLike) -> None:
             verify_file(entry.path)
 
 
-def load_checkpoint(path: str | os.PathLike, state: "ScapeState", **objects: Any) -> dict[str, Any]:
+def load_checkpoint(path: str | os.PathLike, state: Checkpointable, **objects: Any) -> dict[str, Any]:
     """Restore a :func:`save_checkpoint` file on this rank; returns the whole payload.
 
     The file and its SCAPE part are validated before anything is changed, so a truncated file,

@@ -30,24 +30,24 @@ what the optimizer reads next is written first (a callback would run on a side s
 The eager functions are the readable reference; the compiled ones (the passes below, compiled by
 :mod:`scape_core.kernels`) are tested against them; a state chooses once (:func:`path`, from
 ``ScapeConfig.kernels``), as torch's ``adamw`` chooses between its single-tensor, foreach and fused
-functions. ``state`` is a :class:`~scape_core.state.ScapeStateBase`: its ``layout``, ``buckets``,
-``residual_buffer``, ``kernels``, ``config``, group and counters.
+functions. Each function takes an :class:`Exchanger`: what an exchange reads and writes besides its
+record (the state's buffers, regions, kernels and communicator), made once by the state.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, NamedTuple, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from scape_core import fused, inflight, wire
-from scape_core.buckets import StepRecord, positions_in_regions
+from scape_core.buckets import Buckets, StepRecord, positions_in_regions
+from scape_core.buffers import Buffers
+from scape_core.communicator import Communicator
 from scape_core.compat import all_gather_into_tensor
-
-if TYPE_CHECKING:
-    from scape_core.state import ScapeStateBase
+from scape_core.kernels import Kernels
 
 Span = tuple[int, int, int]  # a region's entries (RegionSpan: region, lo, hi), at flat index + row shift
 
@@ -73,16 +73,36 @@ def _rows(buffer: Tensor, rows: tuple[int, int] | None) -> Tensor:
     return buffer if rows is None else buffer[rows[0]:rows[1]]
 
 
-def run(state: "ScapeStateBase", record: StepRecord) -> None:
+class ExchangePath(NamedTuple):
+    """The staging and finishing functions of a state's exchanges (one signature each, both paths)."""
+
+    stage: Callable[..., None]
+    finish: Callable[..., None]
+    narrow: bool  # whether the entries are the layout's narrowest index dtype (compiled: int32 where it fits)
+
+
+class Exchanger(NamedTuple):
+    """What an exchange reads and writes besides its record, made once per state: the functions of its path
+    (:func:`path`), the buffers (the residual, the staging scratch), the regions' plans (:class:`Buckets`),
+    the kernels, and the communicator (group, rank, wire)."""
+
+    path: ExchangePath
+    buffers: Buffers
+    buckets: Buckets
+    kernels: Kernels
+    comm: Communicator
+
+
+def run(ex: Exchanger, record: StepRecord) -> None:
     """Stage, exchange and finish ``record`` (every region joined), then complete the regions' futures
     (with the failure, if anything here raised). An interrupt (``KeyboardInterrupt``, ``SystemExit``)
     propagates as itself; the futures, which take only an ``Exception``, fail with one naming it."""
     try:
-        path = state.exchange_path
-        path.stage(state, record)
-        encoded = state.config.resolved_wire != "native"
-        reduced, kept = (exchange_encoded if encoded else exchange_native)(state, record)
-        path.finish(state, record, reduced, kept)
+        path = ex.path
+        path.stage(ex, record)
+        encoded = ex.comm.wire != "native"
+        reduced, kept = (exchange_encoded if encoded else exchange_native)(ex, record)
+        path.finish(ex, record, reduced, kept)
     except BaseException as e:  # the futures fail, then it propagates as itself
         failed = e if isinstance(e, Exception) else RuntimeError(f"SCAPE's exchange was interrupted ({e!r})")
         for x in record.exchanges:
@@ -92,51 +112,51 @@ def run(state: "ScapeStateBase", record: StepRecord) -> None:
         x.future.set_result(x.buffer)
 
 
-def stage(state: "ScapeStateBase", record: StepRecord) -> None:
+def stage(ex: Exchanger, record: StepRecord) -> None:
     """The compact buffer ``record.send`` of every region at once (eager): the regions' gradients
     copied into the staging buffer (one multi-tensor copy, in the layout's order), their finiteness
     (one pass), and ``g + e`` gathered at the entries, NaN everywhere if this rank's are not finite
     (so every rank drops the exchange). Where a value sits in what is sent never depends on how the
     regions are cut."""
-    record.regions = table = _fused_table(state, record)  # finish walks the same
+    record.regions = table = _fused_table(ex, record)  # finish walks the same
     if table is not None:  # on the CPU: read where the gradients are (scape_core.fused)
-        shape = state.layout.mask_shape(record.density)
-        record.send, finite = fused.stage(table[0], table[1], shape, state.residual_buffer, record.entries)
+        shape = ex.buffers.layout.mask_shape(record.density)
+        record.send, finite = fused.stage(table[0], table[1], shape, ex.buffers.residual, record.entries)
         record.local.append(finite)
         return
-    staging = state.staging()
-    grads, views = record.grads_and_staging(state.layout, staging)
+    staging = ex.buffers.staging()
+    grads, views = record.grads_and_staging(ex.buffers.layout, staging)
     torch._foreach_copy_(views, grads)
     finite = all_finite(_rows(staging, record.rows))
-    send = state.flat(staging).index_select(0, record.entries)  # index_select: twice take's speed on the CPU
-    if state.residual_buffer is not None:
-        send += state.flat(state.residual_buffer).index_select(0, record.entries)
+    send = ex.buffers.flat(staging).index_select(0, record.entries)  # index_select: twice take's speed on the CPU
+    if ex.buffers.residual is not None:
+        send += ex.buffers.flat(ex.buffers.residual).index_select(0, record.entries)
     record.send = send.mul_(torch.where(finite, 1.0, float("nan")))  # x * 1 is x; a 0-dim factor: one cheap pass
     record.local.append(finite)
 
 
-def _fused_table(state: "ScapeStateBase", record: StepRecord) -> tuple[list[Tensor], fused.RowTable] | None:
+def _fused_table(ex: Exchanger, record: StepRecord) -> tuple[list[Tensor], fused.RowTable] | None:
     """The regions' gradient views and their :class:`~scape_core.fused.RowTable` where the C loops run
     (fp32 on the CPU, the exchange covering every row: DDP's), else ``None``."""
     if record.rows is not None:
         return None
     plans = tuple(x.bucket for x in record.exchanges)
     grads = [g for plan in plans for g in plan.grads]
-    if record.entries.dtype != torch.int64 or not fused.runs_here(grads, state.residual_buffer, record.entries):
+    if record.entries.dtype != torch.int64 or not fused.runs_here(grads, ex.buffers.residual, record.entries):
         return None
-    return grads, state.buckets.row_table(plans)
+    return grads, ex.buckets.row_table(plans)
 
 
-def stage_compiled(state: "ScapeStateBase", record: StepRecord) -> None:
+def stage_compiled(ex: Exchanger, record: StepRecord) -> None:
     """:func:`stage` compiled: the compact buffer read from every region's buffer at once
     (:func:`stage_pass`, no staging copy), NaN in a region whose gradients are not
     finite (so every rank drops the exchange)."""
-    shape = state.layout.mask_shape(record.density)
-    record.staging = state.buckets.staging(tuple(x.bucket for x in record.exchanges), shape, record.base)
+    shape = ex.buffers.layout.mask_shape(record.density)
+    record.staging = ex.buckets.staging(tuple(x.bucket for x in record.exchanges), shape, record.base)
     spans = record.staging.spans
-    record.send, finite = state.kernels.get("stage", stage_pass, hash(spans))(
-        [x.buffer for x in record.exchanges], state.residual_buffer, record.entries, state.buckets.row_shift, spans,
-        state.layout.chunk)
+    record.send, finite = ex.kernels.get("stage", stage_pass, hash(spans))(
+        [x.buffer for x in record.exchanges], ex.buffers.residual, record.entries, ex.buckets.row_shift, spans,
+        ex.buffers.layout.chunk)
     record.local.append(finite.all())
 
 
@@ -192,18 +212,18 @@ def finish_pass(buffers: list[Tensor], residual: Tensor | None, entries: Tensor,
     return mean.float()
 
 
-def exchange_native(state: "ScapeStateBase", record: StepRecord) -> tuple[Tensor, Tensor | None]:
+def exchange_native(ex: Exchanger, record: StepRecord) -> tuple[Tensor, Tensor | None]:
     """One all-reduce of the compact buffer in the gradients' dtype; returns the means (fp32) and
     this rank's rounding of what it sent (``None`` in fp32)."""
-    sent = record.send.to(record.dtype or state.buckets.dtype, copy=True)
+    sent = record.send.to(record.dtype or ex.buckets.dtype, copy=True)
     kept = record.send.sub_(sent.float()) if sent.dtype != torch.float32 else None  # the wire's rounding stays
-    sent.div_(state.world_size)
-    state.count(sent.numel(), sent.numel() * sent.element_size(), 0)
-    inflight.hold(dist.all_reduce(sent, group=state.process_group, async_op=True)).wait()
+    sent.div_(ex.comm.world_size)
+    record.count(sent.numel(), sent.numel() * sent.element_size(), 0)
+    inflight.hold(dist.all_reduce(sent, group=ex.comm.process_group, async_op=True)).wait()
     return sent.float(), kept
 
 
-def exchange_encoded(state: "ScapeStateBase", record: StepRecord) -> tuple[Tensor, Tensor]:
+def exchange_encoded(ex: Exchanger, record: StepRecord) -> tuple[Tensor, Tensor]:
     """The two stages of an encoded wire (:mod:`scape_core.wire`): all-to-all the segments, the owner
     sums its segment in fp32 and encodes the mean, all-gather the means; returns the decoded means
     and this rank's rounding (the owner's of its segment's mean added).
@@ -211,17 +231,17 @@ def exchange_encoded(state: "ScapeStateBase", record: StepRecord) -> tuple[Tenso
     The second stage needs the first's result, so each is waited for where it is issued (with NCCL a
     stream dependency; with gloo the host waits, at the end of the backward, as DDP's own
     ``finalize_backward`` would)."""
-    plan = state.buckets.wire_plan(record.send.numel())
-    codec = wire.stages(state.kernels, plan, state.rank, record.send.device)
+    plan = ex.buckets.wire_plan(record.send.numel())
+    codec = wire.stages(ex.kernels, plan, ex.comm.rank, record.send.device)
     sent, kept = codec.send(record.send)  # this rank's rounding stays in kept
-    state.count(plan.entries, plan.nbytes, 0)  # as one all-reduce of the encoded buffer (see scape_core.wire)
-    inflight.hold(dist.all_to_all_single(codec.received, sent, group=state.process_group, async_op=True)).wait()
+    record.count(plan.entries, plan.nbytes, 0)  # as one all-reduce of the encoded buffer (see scape_core.wire)
+    inflight.hold(dist.all_to_all_single(codec.received, sent, group=ex.comm.process_group, async_op=True)).wait()
     own = codec.own_mean()  # this rank's segment's mean, encoded; the owner keeps W times its rounding
-    inflight.hold(all_gather_into_tensor(codec.gathered, own, group=state.process_group, async_op=True)).wait()
+    inflight.hold(all_gather_into_tensor(codec.gathered, own, group=ex.comm.process_group, async_op=True)).wait()
     return codec.decode_gathered(), kept
 
 
-def finish(state: "ScapeStateBase", record: StepRecord, reduced: Tensor, kept: Tensor | None) -> None:
+def finish(ex: Exchanger, record: StepRecord, reduced: Tensor, kept: Tensor | None) -> None:
     """After the exchange (eager): the residual keeps the rest, the regions hold the mean on the mask
     (zeros elsewhere).
 
@@ -235,44 +255,44 @@ def finish(state: "ScapeStateBase", record: StepRecord, reduced: Tensor, kept: T
     mean = reduced.masked_fill(~ok, 0.0)
     table = record.regions  # stage's
     if table is not None:
-        fused.finish(table[0], table[1], state.layout.mask_shape(record.density), state.residual_buffer,
+        fused.finish(table[0], table[1], ex.buffers.layout.mask_shape(record.density), ex.buffers.residual,
                      record.entries, mean, kept, ok)
         record.values = mean
         record.finite.append(ok)
         return
-    staging, entries = state.staging(), record.entries
+    staging, entries = ex.buffers.staging(), record.entries
     region = _rows(staging, record.rows)
-    if state.residual_buffer is not None:  # e_r += g_r, a dropped step adding 0 (its gradients made finite first)
-        _rows(state.residual_buffer, record.rows).addcmul_(region.nan_to_num_(0.0, 0.0, 0.0), ok.float())
-        residual = state.flat(state.residual_buffer)
+    if ex.buffers.residual is not None:  # e_r += g_r, a dropped step adding 0 (its gradients made finite first)
+        _rows(ex.buffers.residual, record.rows).addcmul_(region.nan_to_num_(0.0, 0.0, 0.0), ok.float())
+        residual = ex.buffers.flat(ex.buffers.residual)
         before = residual.index_select(0, entries)  # where sent: its rounding (fp32: 0) if the step went through
         now = before.masked_fill_(ok, 0.0) if kept is None else torch.where(ok, kept, before)
         residual.index_copy_(0, entries, now)
     region.zero_()
-    state.flat(staging).index_copy_(0, entries, mean)
-    grads, views = record.grads_and_staging(state.layout, staging)
+    ex.buffers.flat(staging).index_copy_(0, entries, mean)
+    grads, views = record.grads_and_staging(ex.buffers.layout, staging)
     torch._foreach_copy_(grads, views)
     record.values = mean
     record.finite.append(ok)
 
 
-def finish_compiled(state: "ScapeStateBase", record: StepRecord, reduced: Tensor, kept: Tensor | None) -> None:
+def finish_compiled(ex: Exchanger, record: StepRecord, reduced: Tensor, kept: Tensor | None) -> None:
     """:func:`finish` compiled: every region in one pass (:func:`finish_pass`), the
     residual's add a graph of its own (:func:`residual_pass`)."""
     spans, exchanges = record.staging.spans, record.exchanges
     ok = all_finite(reduced)
-    if state.residual_buffer is not None:  # e_r += g_r if the step went through
+    if ex.buffers.residual is not None:  # e_r += g_r if the step went through
         residuals, grads = [], []
         for x in exchanges:
-            residuals += x.bucket.residuals(state.layout, state.residual_buffer)
+            residuals += x.bucket.residuals(ex.buffers.layout, ex.buffers.residual)
             grads += x.bucket.grads
         # one compiled copy per set of regions: the pass does not depend on the mask's density
         key = hash(tuple(x.bucket.names for x in exchanges))
-        state.kernels.get("residual", residual_pass, key)(residuals, grads, ok)
+        ex.kernels.get("residual", residual_pass, key)(residuals, grads, ok)
     torch._foreach_zero_([x.buffer for x in exchanges])  # outside the graph: in place (finish_pass)
-    record.values = state.kernels.get("finish", finish_pass, hash(spans))(
-        [x.buffer for x in exchanges], state.residual_buffer, record.entries, reduced, kept, ok,
-        state.buckets.row_shift, spans, state.layout.chunk)
+    record.values = ex.kernels.get("finish", finish_pass, hash(spans))(
+        [x.buffer for x in exchanges], ex.buffers.residual, record.entries, reduced, kept, ok,
+        ex.buckets.row_shift, spans, ex.buffers.layout.chunk)
     record.finite.append(ok)
 
 
@@ -280,14 +300,6 @@ def finish_dense(record: StepRecord, buffer: Tensor) -> Tensor:
     """After a dense all-reduce the region holds the mean; its finiteness decides the step."""
     record.finite.append(all_finite(buffer))
     return buffer
-
-
-class ExchangePath(NamedTuple):
-    """The staging and finishing functions of a state's exchanges (one signature each, both paths)."""
-
-    stage: Callable[..., None]
-    finish: Callable[..., None]
-    narrow: bool  # whether the entries are the layout's narrowest index dtype (compiled: int32 where it fits)
 
 
 def path(kernels: str) -> ExchangePath:

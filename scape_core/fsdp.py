@@ -142,13 +142,10 @@ class ScapeFSDPState(ScapeStateBase):
         if not isinstance(replicate_group, dist.ProcessGroup):
             raise TypeError(f"replicate_group must be a ProcessGroup (e.g. mesh.get_group('replicate')), got "
                             f"{type(replicate_group).__name__}")
-        self.process_group = replicate_group
-        self.world_size = dist.get_world_size(replicate_group)
-        self.rank = dist.get_rank(replicate_group)
         self.groups, self.shard_group = _param_groups(model)
         params: dict[str, Tensor] = {n: p for g in self.groups for n, p in zip(g.names, g.params)}
         # the native wire's dtype is each group's reduce dtype (StepRecord.dtype)
-        self._build(params, {n: p._local_tensor for n, p in params.items()}, torch.float32)
+        self._build(params, {n: p._local_tensor for n, p in params.items()}, torch.float32, replicate_group)
         self._check_replicas()
         for g in self.groups:
             first, last = self.layout.first_row, g.names[-1]
@@ -156,7 +153,7 @@ class ScapeFSDPState(ScapeStateBase):
             g.offsets = [sum(g.split[:2 * i]) for i in range(len(g.names))]
         for g in self.groups:
             g.module.set_all_reduce_hook(partial(self.reduce, g))  # type: ignore[attr-defined]
-        if self.world_size == 1 and dist.get_rank() == 0:
+        if self.comm.world_size == 1 and dist.get_rank() == 0:
             warnings.warn(ONE_REPLICA, stacklevel=2)
 
     def new_record(self) -> StepRecord:
@@ -168,8 +165,8 @@ class ScapeFSDPState(ScapeStateBase):
         mine = torch.tensor([self.layout.rows, sum(self.layout.numel.values()),
                              dist.get_rank(self.shard_group) if self.shard_group is not None else 0],
                             device=self.layout.device)  # where the backend (NCCL) wants it
-        every = [torch.zeros_like(mine) for _ in range(self.world_size)]
-        inflight.collective(dist.all_gather, every, mine, group=self.process_group)
+        every = [torch.zeros_like(mine) for _ in range(self.comm.world_size)]
+        inflight.collective(dist.all_gather, every, mine, group=self.comm.process_group)
         if any(not torch.equal(e, mine) for e in every):
             raise ValueError("replicate_group's ranks hold different shards (rows, coordinates, shard rank per "
                              f"rank: {[e.tolist() for e in every]}): pass the group of the ranks with the same "
@@ -190,18 +187,18 @@ class ScapeFSDPState(ScapeStateBase):
         dense_bytes = output.numel() * output.element_size()
         mask = self.current_mask()
         if mask is None:  # HSDP: sum over the replicas, divided by their number
-            self.count(output.numel(), dense_bytes, dense_bytes)
-            inflight.collective(dist.all_reduce, output, group=self.process_group)
-            exchange.finish_dense(self.record, output.div_(self.world_size))
+            self.record.count(output.numel(), dense_bytes, dense_bytes)
+            inflight.collective(dist.all_reduce, output, group=self.comm.process_group)
+            exchange.finish_dense(self.record, output.div_(self.comm.world_size))
             return
         if not self.sparse_started:
             self.start_sparse()
-        self.count(0, 0, dense_bytes)
+        self.record.count(0, 0, dense_bytes)
         spans = self.layout.mask_shape(mask.density).rows_spans(g.start, g.stop)
         part = StepRecord(self.buckets, dtype=output.dtype)
-        part.open(mask, self.layout, base=spans, narrow=self.exchange_path.narrow, rows=(g.start, g.stop))
+        part.open(mask, self.layout, base=spans, narrow=self.exchanger.path.narrow, rows=(g.start, g.stop))
         part.add_region(region, output)  # the group: the exchange's one region
-        exchange.run(self, part)
+        exchange.run(self.exchanger, part)
         self.record.absorb(part, spans, mask.flat(self.layout))
 
     # ----- the optimizer step -------------------------------------------------------------
@@ -224,28 +221,29 @@ class ScapeFSDPState(ScapeStateBase):
         masks = {str(t): m.cols for t, m in self.masks.items()}
         meta = dict(step=self.step, config=self.config.to_dict(), rows=self.layout.rows, mesh=self.mesh(),
                     densities={str(t): m.density for t, m in self.masks.items()}, sparse_started=self._sparse,
-                    counters=dict(self.counters), residual=self.residual_buffer is not None,
-                    windows=self.window_buffer is not None)
+                    counters=dict(self.comm.counters), residual=self.buffers.residual is not None,
+                    windows=self.buffers.windows is not None)
         out: dict[str, Any] = dict(meta=json.dumps(meta), masks=masks, skipped=self.skipped)  # text: not flattened
-        if self.residual_buffer is not None:
-            out["residual"] = self.residual_buffer
-        if self.window_buffer is not None:
-            out["windows"] = self.window_buffer
+        if self.buffers.residual is not None:
+            out["residual"] = self.buffers.residual
+        if self.buffers.windows is not None:
+            out["windows"] = self.buffers.windows
         return out
 
     def mesh(self) -> list[int]:
         """``[replicas, this replica's rank, shards, this shard's rank]``: where this rank's state belongs."""
         shards = dist.get_world_size(self.shard_group) if self.shard_group is not None else 1
         shard = dist.get_rank(self.shard_group) if self.shard_group is not None else 0
-        return [self.world_size, self.rank, shards, shard]
+        return [self.comm.world_size, self.comm.rank, shards, shard]
 
     def check_mesh(self, meta: dict[str, Any]) -> None:
         """Refuse a state saved at another mesh (every rank decides alike, before anything loads)."""
         saved = meta.get("mesh")
-        if saved is not None and (saved[0], saved[2]) != (self.world_size, self.mesh()[2]):
+        here = (self.comm.world_size, self.mesh()[2])
+        if saved is not None and (saved[0], saved[2]) != here:
             raise ValueError(f"this FSDP2 checkpoint was saved on a ({saved[0]}, {saved[2]}) (replicate, shard) mesh, "
-                             f"this run has ({self.world_size}, {self.mesh()[2]}): SCAPE's residuals and masks belong "
-                             "to their shard and replica, so resume at the saved mesh")
+                             f"this run has {here}: SCAPE's residuals and masks belong to their shard and replica, so "
+                             "resume at the saved mesh")
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` (the same rank's, at the same mesh)."""
@@ -314,7 +312,7 @@ def fsdp_rank_state(optimizer: ScapeFSDPAdamS, check: bool = True) -> dict[str, 
         >>> dcp.save({"model": model.state_dict(), **fsdp_rank_state(opt)}, checkpoint_id=path)  # doctest: +SKIP
     """
     if check:  # DCP saves on every rank: the replicas agree before anything is written
-        optimizer.scape.guard.check(optimizer.scape)
+        optimizer.scape.check_replicas()
     groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
     opt = dict(momentum=optimizer.momentum_buffer, steps=optimizer.steps, **optimizer.statistics,
                groups=json.dumps(groups))  # text: DCP would flatten a dict into one entry per value

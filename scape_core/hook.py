@@ -36,16 +36,16 @@ def scape_hook(state: ScapeState, bucket: dist.GradBucket) -> torch.futures.Futu
     mask = state.current_mask()
     dense_bytes = buffer.numel() * buffer.element_size()
     if mask is None:
-        send = buffer.div_(state.world_size)
-        state.count(send.numel(), dense_bytes, dense_bytes)
-        work = inflight.hold(dist.all_reduce(send, group=state.process_group, async_op=True))
+        send = buffer.div_(state.comm.world_size)
+        state.record.count(send.numel(), dense_bytes, dense_bytes)
+        work = inflight.hold(dist.all_reduce(send, group=state.comm.process_group, async_op=True))
         return work.get_future().then(lambda f: exchange.finish_dense(state.record, f.value()[0]))
     if not state.sparse_started:
         state.start_sparse()
     record = state.record
-    record.open(mask, state.layout, narrow=state.exchange_path.narrow)
+    record.open(mask, state.layout, narrow=state.exchanger.path.narrow)
     part = record.add_region(plan, buffer)
-    state.count(0, 0, dense_bytes)
+    record.count(0, 0, dense_bytes)
     if bucket.is_last():  # every bucket is in: the step's one exchange
-        exchange.run(state, record)
+        exchange.run(state.exchanger, record)
     return part.future

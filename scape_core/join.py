@@ -64,7 +64,7 @@ class ScapeJoinHook(JoinHook):
         self.ddp_hook.post_hook(is_last_joiner)
         state = self._state()
         if state is not None:
-            state.guard.check(state)
+            state.check_replicas()
 
 
 def shadow_step(state: "ScapeState") -> None:

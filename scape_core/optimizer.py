@@ -209,11 +209,11 @@ class ScapeAdamS(AdamS):
             return
         self._consolidated = None
         full = self._gathered_state_dict()
-        self._consolidated = full if self.scape.rank == to else None
+        self._consolidated = full if self.scape.comm.rank == to else None
 
     def _gathered_state_dict(self) -> dict[str, Any]:
         scape = self.scape
-        every_rank_arrives("ScapeAdamS.state_dict", scape.process_group, checkpoint.ARRIVAL_TIMEOUT,  # read now
+        every_rank_arrives("ScapeAdamS.state_dict", scape.comm.process_group, checkpoint.ARRIVAL_TIMEOUT,  # read now
                            hint="a sharded optimizer gathers its state from every rank: call state_dict() on every "
                                 "rank, or consolidate_state_dict(to=0) on every rank and then state_dict() on rank 0")
         whole = {key: scape.shards.unshard(buffer) for key, buffer in {MOMENTUM: self.momentum_buffer,
@@ -269,7 +269,7 @@ class ScapeAdamS(AdamS):
         """Warn (rank 0) when the optimizer's state and SCAPE's were restored at different steps, e.g. a plain
         ``torch.save`` of the model and ``opt.state_dict()`` loaded without SCAPE's state."""
         ours, theirs = int(self.steps), self.scape.step
-        if ours == theirs or self.scape.rank != 0:
+        if ours == theirs or self.scape.comm.rank != 0:
             return
         if ours > theirs:
             what = (f"ScapeAdamS was resumed at optimizer step {ours}, but SCAPE's state is at step {theirs}: its "
@@ -324,7 +324,7 @@ class ScapeAdamS(AdamS):
                                                                   all_have_grad, **hp)
         record = self.scape.record
         if not record.returns_skipped:  # exchanged region by region: what a skipped step sent goes back now
-            record.return_unapplied(self.scape.residual_buffer, mask.flat(self.scape.layout), ~skip)
+            record.return_unapplied(self.scape.buffers.residual, mask.flat(self.scape.layout), ~skip)
 
     def _sparse_flat(self, groups: list[tuple[dict[str, Any], list[Tensor]]], with_grad: list[Tensor],
                      values: list[Tensor], grads: list[Tensor], mask: Mask, skip: Tensor, all_have_grad: bool,
@@ -341,13 +341,13 @@ class ScapeAdamS(AdamS):
             # on the CPU: read p.grad and write the parameters where they are (sharded too: the same bits)
             self._sparse_fused(groups, with_grad, values, grads, mask, entries, keep, hp)
             return
-        staging = scape.staging()
+        staging = scape.buffers.staging()
         torch._foreach_copy_(self._staging_views(with_grad), grads)
-        s = scape.flat(staging).index_select(0, entries)
+        s = scape.buffers.flat(staging).index_select(0, entries)
         applied = keep if all_have_grad else self._entries_with_grad(with_grad, entries, keep)
         u = self._masked_update(mask, s, applied, hp)
         staging.zero_()
-        scape.flat(staging).index_copy_(0, entries, u)
+        scape.buffers.flat(staging).index_copy_(0, entries, u)
         keep, one = keep.float(), self.kernels.constant(1.0, keep.device)
         for group, params in groups:
             if not params:
@@ -357,7 +357,7 @@ class ScapeAdamS(AdamS):
                 torch._foreach_mul_(local, torch.add(one, keep, alpha=-group["lr"] * group["weight_decay"]))
             torch._foreach_add_(local, self._staging_views(params), alpha=-group["lr"])
         if not all_have_grad:  # the means of parameters without a gradient go back (a skipped step has none)
-            scape.record.return_unapplied(scape.residual_buffer, entries, applied | skip)
+            scape.record.return_unapplied(scape.buffers.residual, entries, applied | skip)
 
     def _sparse_fused(self, groups: list[tuple[dict[str, Any], list[Tensor]]], with_grad: list[Tensor],
                       values: list[Tensor], grads: list[Tensor], mask: Mask, entries: Tensor, keep: Tensor,
@@ -387,7 +387,7 @@ class ScapeAdamS(AdamS):
         key = tuple(self._names[p] for p in params)
         found = self._views.get(key)
         if found is None:
-            staging, layout = self.scape.staging(), self.scape.layout
+            staging, layout = self.scape.buffers.staging(), self.scape.layout
             found = self._views[key] = [layout.view(staging, self._names[p]).view_as(self._local(p)) for p in params]
         return found
 
@@ -402,7 +402,8 @@ class ScapeAdamS(AdamS):
         pieces = scape.layout.mask_shape(mask.density).pieces([self._names[p] for p in with_grad])
         decay, scale = self._decay_and_scale(groups, skip, entries.device)
         sparse_step_compiled(scape.kernels, self.rule, values, grads, self.momentum_buffer, self.statistics,
-                             scape.window_buffer, entries, ~skip, scape.step, decay, scale, scape.layout, pieces, **hp)
+                             scape.buffers.windows, entries, ~skip, scape.step, decay, scale, scape.layout, pieces,
+                             **hp)
 
     def _decay_and_scale(self, groups: list[tuple[dict[str, Any], list[Tensor]]], skip: Tensor,
                          device: torch.device) -> tuple[list[Tensor | None], list[Tensor]]:
@@ -430,8 +431,8 @@ class ScapeAdamS(AdamS):
         if positions is not None:
             s = s.index_select(0, positions)
             applied = applied.index_select(0, positions) if applied.dim() else applied
-        scape, windows = self.scape, self.scape.window_buffer  # the window lengths n, if kept; marked exchanged now
-        flat = scape.flat  # the buffers' 1-D views, made once
+        scape, windows = self.scape, self.scape.buffers.windows  # the window lengths n, if kept; marked exchanged now
+        flat = scape.buffers.flat  # the buffers' 1-D views, made once
         u = masked_update(self.kernels, self.rule, flat(self.momentum_buffer),
                           {k: flat(b) for k, b in self.statistics.items()},
                           None if windows is None else flat(windows), local, s, applied, scape.step, **hp)

@@ -21,16 +21,15 @@ the parameters and the masks are compared.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
 
 from scape_core import inflight, native
+from scape_core.communicator import Communicator
 from scape_core.compat import all_gather_into_tensor
-
-if TYPE_CHECKING:
-    from scape_core.state import ScapeStateBase
+from scape_core.layout import FlatLayout
 
 CAUSES = ("a nondeterministic kernel in what every rank computes alike (the optimizer step, the mask's "
           "selection; the model's own forward and backward may differ: gradients are each rank's own), "
@@ -40,6 +39,17 @@ CAUSES = ("a nondeterministic kernel in what every rank computes alike (the opti
 
 KERNELS = ("the CPU kernels in use (SCAPE's C kernels, or torch's operators on a rank where no C compiler works: "
            "install one there, or set CC)")
+
+
+class Replicated(NamedTuple):
+    """What every rank of the group must hold alike, as the state hands it to the guard."""
+
+    step: int  # optimizer steps taken
+    layout: FlatLayout
+    params: dict[str, Tensor]  # each parameter's tensor on this rank (its local shard under FSDP2), by name
+    buffers: dict[str, Tensor]  # m, the rule's statistics, the windows ((rows, chunk) each; none when sharded)
+    masks: dict[int, Tensor]  # the scheduled masks' columns, by the step that uses them
+    scratch: Tensor | None  # a (rows, chunk) fp32 buffer the parameters may pass through (else one is made)
 
 
 class ReplicaMismatch(RuntimeError):
@@ -54,7 +64,7 @@ class ReplicaGuard:
         >>> state = ScapeState(ddp, sparsity=0.99, replica_check_every=100)
         >>> state.guard.due(100), state.guard.due(150)
         (True, False)
-        >>> state.guard.check(state)   # collective: every rank calls it (ScapeState.end_step does)
+        >>> state.guard.check(state.replicated(), state.comm)   # collective: every rank calls it (end_step does)
     """
 
     def __init__(self, every: int) -> None:
@@ -67,9 +77,9 @@ class ReplicaGuard:
         after a state was loaded (every rank loads at the same point of the program, so all check then)."""
         return bool(self.every) and (step == 1 or step % self.every == 0 or self.loaded)
 
-    def fingerprints(self, state: "ScapeStateBase") -> tuple[list[str], Tensor]:
+    def fingerprints(self, state: Replicated) -> tuple[list[str], Tensor]:
         """``(buffer names, (buffers, parameters) int64)``: per buffer and parameter, the sum of the values'
-        bits (the parameters pass through the staging buffer in fp32, exactly; an fp64 one adds its own bits)."""
+        bits (the parameters pass through an fp32 buffer, exactly; an fp64 one adds its own bits)."""
         layout = state.layout
         names = list(layout.numel)
         if self._row_param is None:
@@ -77,20 +87,14 @@ class ReplicaGuard:
                                            device=layout.device)
         # the step's staging buffer if it has one (its padding stays 0: only parameters' coordinates are written),
         # else a buffer for this check alone: the C loops on the CPU keep none between steps
-        staging = state.staging_buffer if state.staging_buffer is not None else state.layout.zeros()
-        local = state.local_params()
+        staging = state.scratch if state.scratch is not None else layout.zeros()
+        local = state.params
         torch._foreach_copy_(layout.views(staging, names), [local[n].detach().reshape(-1) for n in names])
-        buffers: dict[str, Tensor] = {"parameters": staging}
-        opt = state.optimizer
-        if opt is not None and not state.sharded:  # sharded: each rank keeps its own rows of these
-            buffers["m"] = opt.momentum_buffer
-            buffers.update({f"statistic {k!r}": b for k, b in opt.statistics.items()})
-            if state.window_buffer is not None:
-                buffers["windows"] = state.window_buffer
+        buffers: dict[str, Tensor] = {"parameters": staging, **state.buffers}
         rows = [b.view(torch.int32).sum(1) for b in buffers.values()]
-        for step, mask in sorted(state.masks.items()):
-            buffers[f"mask of step {step}"] = mask.cols
-            rows.append(mask.cols.sum(1))
+        for step, cols in sorted(state.masks.items()):
+            buffers[f"mask of step {step}"] = cols
+            rows.append(cols.sum(1))
         per_row = torch.stack(rows)
         out = torch.zeros(per_row.shape[0], len(names), dtype=torch.long, device=layout.device)
         out.index_add_(1, self._row_param, per_row)
@@ -99,12 +103,12 @@ class ReplicaGuard:
                 out[0, i] += local[name].detach().reshape(-1).view(torch.int64).sum()
         return list(buffers), out
 
-    def check(self, state: "ScapeStateBase") -> None:
-        """Compare the ranks' fingerprints (collective over the state's group; reads the device once) and
-        raise :class:`ReplicaMismatch` on every rank if any rank's differs from rank 0's. Nothing with
-        ``replica_check_every=0`` or at world size 1."""
+    def check(self, state: Replicated, comm: Communicator) -> None:
+        """Compare the ranks' fingerprints of ``state`` (collective over ``comm``'s group; reads the device
+        once) and raise :class:`ReplicaMismatch` on every rank if any rank's differs from rank 0's. Nothing
+        with ``replica_check_every=0`` or at world size 1."""
         self.loaded = False
-        if not self.every or state.world_size == 1:
+        if not self.every or comm.world_size == 1:
             return
         what, mine = self.fingerprints(state)
         # the last row: the step count (ranks that loaded other checkpoints) and, above bit 48, whether this rank
@@ -112,13 +116,13 @@ class ReplicaGuard:
         what.append("the optimizer step count")
         uses_c = state.layout.device.type == "cpu" and native.available()
         mine = torch.cat([mine, torch.full_like(mine[:1], state.step + (int(uses_c) << 48))])
-        every = mine.new_empty(state.world_size * mine.numel())
-        inflight.collective(all_gather_into_tensor, every, mine.view(-1), group=state.process_group)
-        every = every.view(state.world_size, *mine.shape).cpu()
+        every = mine.new_empty(comm.world_size * mine.numel())
+        inflight.collective(all_gather_into_tensor, every, mine.view(-1), group=comm.process_group)
+        every = every.view(comm.world_size, *mine.shape).cpu()
         differ = (every != every[0]).any(0)  # (buffers, parameters)
         if not bool(differ.any()):
             return
-        ranks = [r for r in range(state.world_size) if bool((every[r] != every[0]).any())]
+        ranks = [r for r in range(comm.world_size) if bool((every[r] != every[0]).any())]
         if bool(((every[:, -1, 0] >> 48) != (every[0, -1, 0] >> 48)).any()):  # named first: all differs from then
             subject = KERNELS
         else:

@@ -15,13 +15,15 @@ from torch import Tensor, nn
 
 from scape_core import checkpoint, exchange, inflight, join
 from scape_core.buckets import Buckets, StepRecord
+from scape_core.buffers import Buffers
+from scape_core.communicator import Communicator
 from scape_core.config import OUT_OF_REACH, ScapeConfig, check_max_steps, unread_environment
 from scape_core.diagnose import DDPWatch
 from scape_core.kernels import Kernels
 from scape_core.layout import FlatLayout, Shard
 from scape_core.masks import Mask
 from scape_core.model import check_ddp_model, parameter_names
-from scape_core.replicas import ReplicaGuard
+from scape_core.replicas import ReplicaGuard, Replicated
 from scape_core.schedule import MaskSchedule
 from scape_core.selection import MaskSelector
 from scape_core.sharding import ShardExchange
@@ -86,26 +88,20 @@ class ScapeStateBase:
     """
 
     config: ScapeConfig
-    layout: FlatLayout
+    buffers: Buffers  # the layout, the residual, the windows, the staging scratch
+    comm: Communicator  # the group, this rank, the wire, the counters
+    exchanger: exchange.Exchanger  # what the hooks' exchanges read and write (the buffers, regions, kernels, comm)
     selector: MaskSelector
     schedule: MaskSchedule
     kernels: Kernels
-    exchange_path: exchange.ExchangePath
     buckets: Buckets
-    record: StepRecord
+    record: StepRecord  # the step in progress: made at its start, filled by the hooks, taken by the optimizer
     shards: ShardExchange
     sharded: bool
-    counters: dict[str, int]
-    process_group: dist.ProcessGroup | None
-    world_size: int
-    rank: int
     params: dict[str, Tensor]
     step: int
     skipped: Tensor
     streak: SkipStreak
-    residual_buffer: Tensor | None
-    window_buffer: Tensor | None
-    staging_buffer: Tensor | None
     _sparse: bool
     max_steps: int | None  # the run's optimizer steps, if known (the start-of-run line's warning)
     announced: bool  # the start-of-run line was said (announce)
@@ -127,40 +123,41 @@ class ScapeStateBase:
         self.max_steps = check_max_steps(max_steps)
         self.announced = False
 
-    def _build(self, params: dict[str, Tensor], local: dict[str, Tensor], dtype: torch.dtype) -> None:
-        """The layout of ``local`` (each parameter's tensor on this rank, by name), the kernels, the
-        counters, the selector, the regions and the buffers; ``dtype``: the native wire's."""
+    def _build(self, params: dict[str, Tensor], local: dict[str, Tensor], dtype: torch.dtype,
+               group: dist.ProcessGroup | None) -> None:
+        """The layout of ``local`` (each parameter's tensor on this rank, by name), its buffers, the
+        communicator over ``group``, the kernels, the selector, the regions and the exchanger; ``dtype``: the
+        native wire's."""
         self.params = params
         self.names = {id(p): n for n, p in params.items()}
-        self.layout = FlatLayout(local, self.config.chunk_size)
+        self.buffers = Buffers(FlatLayout(local, self.config.chunk_size))
+        self.comm = Communicator(group, dist.get_rank(group), dist.get_world_size(group), self.config.resolved_wire)
         self.kernels = Kernels(self.config.kernels)  # the passes over every coordinate, eager or compiled
-        self.exchange_path = exchange.path(self.config.kernels)  # the reference's functions, or the compiled ones
         self.sharded = self.config.shard_optimizer
-        # shard_bytes: the sharded mode's all-gathers of updates and parameters (also in bytes_sent)
-        self.counters = dict(steps=0, hook_calls=0, values_sent=0, bytes_sent=0, mask_bytes=0, dense_bytes=0,
-                             shard_bytes=0)
-        group = dict(rank=self.rank, world_size=self.world_size, process_group=self.process_group,
-                     counters=self.counters)
         # both build their plans now: their first use reads the device once
-        self.selector = MaskSelector(self.layout, self.config, kernels=self.kernels, **group)
-        self.shards = ShardExchange(self.layout, sharded=self.sharded, densities=self.schedule.densities(), **group)
-        self.buckets = Buckets(self.layout, self.names, self.config.resolved_wire, self.world_size,
+        self.selector = MaskSelector(self.layout, self.config, kernels=self.kernels, **self.comm.group_kwargs())
+        self.shards = ShardExchange(self.layout, sharded=self.sharded, densities=self.schedule.densities(),
+                                    **self.comm.group_kwargs())
+        self.buckets = Buckets(self.layout, self.names, self.config.resolved_wire, self.comm.world_size,
                                self.config.wire_block, dtype=dtype)
+        # the reference's functions or the compiled ones, and what they read and write
+        self.exchanger = exchange.Exchanger(exchange.path(self.config.kernels), self.buffers, self.buckets,
+                                            self.kernels, self.comm)
         self.record = self.new_record()
         self.last_step_bytes = (0, 0)  # (bytes sent, dense bytes) of the last completed step
         self.step_times = StepTimes(self.config)  # the wall time of dense and sparse steps, on the host
         self._counted_before = (0, 0)  # bytes_sent and dense_bytes when that step began
         self.step = 0  # optimizer steps taken (skipped ones included)
         self._sparse = False
-        self.residual_buffer: Tensor | None = None  # (rows, chunk) fp32, this rank's unsent gradient
-        # (shard rows, chunk) fp32 (exact to 2^24 steps): the step each coordinate was last exchanged at
-        self.window_buffer: Tensor | None = None
-        self.staging_buffer: Tensor | None = None  # (rows, chunk) fp32 scratch of the eager step (staging())
-        self._flats: dict[int, tuple[Tensor, Tensor]] = {}  # flat(): each buffer's 1-D view, by id
         self.skipped = torch.zeros((), dtype=torch.long, device=self.layout.device)  # on the device: no host read
-        self.streak = SkipStreak(self.config.skip_streak_warning, self.rank, self.layout.device)
+        self.streak = SkipStreak(self.config.skip_streak_warning, self.comm.rank, self.layout.device)
         self.guard = ReplicaGuard(self.config.replica_check_every)  # every rank holds the same replicated state
         self.optimizer: Any = None
+
+    @property
+    def layout(self) -> FlatLayout:
+        """The flat layout of this rank's parameters (:attr:`buffers`')."""
+        return self.buffers.layout
 
     def local_params(self) -> dict[str, Tensor]:
         """Each parameter's tensor on this rank, by name (under FSDP2, its local shard)."""
@@ -189,41 +186,22 @@ class ScapeStateBase:
         """Whether the buffers of sparse steps exist (the first sparse step, or a loaded state, made them)."""
         return self._sparse
 
-    def staging(self) -> Tensor:
-        """The ``(rows, chunk)`` fp32 scratch buffer a sparse step's gradients pass through in the layout's
-        order (made at its first use): the hook stages and settles the exchange in it
-        (:mod:`scape_core.exchange`), the optimizer reads the synchronized gradients and writes the
-        update there (:class:`~scape_core.optimizer.ScapeAdamS`). It holds nothing between steps."""
-        if self.staging_buffer is None:
-            self.staging_buffer = self.layout.zeros()
-        return self.staging_buffer
-
-    def flat(self, buffer: Tensor) -> Tensor:
-        """The 1-D view of one of the step's persistent buffers (the residual, the staging buffer, the
-        optimizer's), made once per buffer: a sparse step writes them at the mask's entries, and a view
-        made each step is one more operator each."""
-        found = self._flats.get(id(buffer))
-        if found is None or found[0] is not buffer:
-            found = self._flats[id(buffer)] = (buffer, buffer.view(-1))
-        return found[1]
-
     def start_sparse(self) -> None:
         """Allocate the residual (and the windows) before the first sparse exchange."""
         self._sparse = True
-        if self.residual_buffer is None and self.config.error_feedback:
-            self.residual_buffer = self.layout.zeros()
-        if self.window_buffer is None and self.config.keeps_windows:  # the warm-up exchanged everything
-            self.window_buffer = self.shard.zeros().fill_(self.step - 1)
+        if self.buffers.residual is None and self.config.error_feedback:
+            self.buffers.residual = self.layout.zeros()
+        if self.buffers.windows is None and self.config.keeps_windows:  # the warm-up exchanged everything
+            self.buffers.windows = self.shard.zeros().fill_(self.step - 1)
 
     def reset_sparse(self, started: bool) -> None:
         """Drop the sparse buffers (a state is being loaded) and make them anew, zeroed, if ``started``."""
-        self.residual_buffer = self.window_buffer = None
-        self._flats.clear()  # the replaced buffers' views
+        self.buffers.drop()
         self._sparse = False
         self.buckets.forget_residual_views()
         if started:
             self.start_sparse()
-            for buffer in (self.residual_buffer, self.window_buffer):
+            for buffer in (self.buffers.residual, self.buffers.windows):
                 if buffer is not None:
                     buffer.zero_()
 
@@ -237,8 +215,8 @@ class ScapeStateBase:
         self.step = int(step)
         self.guard.loaded = True  # the next step compares the ranks' states
         self.reset_sparse(sparse_started)
-        for buffer, saved, view in ((self.residual_buffer, residual, self.layout.view),
-                                    (self.window_buffer, windows, self.shard.view)):
+        for buffer, saved, view in ((self.buffers.residual, residual, self.layout.view),
+                                    (self.buffers.windows, windows, self.shard.view)):
             if buffer is None or saved is None:
                 continue
             if isinstance(saved, Tensor):
@@ -247,18 +225,10 @@ class ScapeStateBase:
                 for name, v in saved.items():
                     view(buffer, name).copy_(v.reshape(-1))
         self.skipped.fill_(int(skipped))
-        self.counters.update(counters)
-        self.last_step_bytes, self._counted_before = (0, 0), (self.counters["bytes_sent"], self.counters["dense_bytes"])
+        self.comm.counters.update(counters)
+        counted = self.comm.counters
+        self.last_step_bytes, self._counted_before = (0, 0), (counted["bytes_sent"], counted["dense_bytes"])
         self.step_times.restart()  # the time until the next step is the load's, not a step's
-
-    def count(self, values: int, nbytes: int, dense_bytes: int) -> None:
-        """Add a hook's collective (its values and bytes, and the bytes dense DDP would have sent) to the
-        step in progress: the counters take it when the step completes (:meth:`end_step`), so an
-        interrupted step (an error between backward and the optimizer step) is not counted."""
-        pending = self.record.counts
-        pending["values_sent"] += values
-        pending["bytes_sent"] += nbytes
-        pending["dense_bytes"] += dense_bytes
 
     def announce(self, total_steps: int | None = None, sources: Mapping[str, str] | None = None) -> None:
         """Say once, on global rank 0, how this run communicates (:meth:`ScapeConfig.describe_run`, logged
@@ -355,24 +325,42 @@ class ScapeStateBase:
         self.streak.count(skip, ~all_true(own, skip.device) if own else torch.zeros_like(skip), self.step)
         self.stepped()
         for name, n in self.record.counts.items():  # the step's hook calls and bytes, now that it completed
-            self.counters[name] += n
+            self.comm.counters[name] += n
         self.record = self.new_record()
         done, self.step = self.step, self.step + 1
-        self.counters["steps"] += 1
-        self.selector.after_step(done, momentum, self.residual_buffer, self.window_buffer, beta1)
+        self.comm.counters["steps"] += 1
+        self.selector.after_step(done, momentum, self.buffers.residual, self.buffers.windows, beta1)
         if self.schedule.ramp_densities:
             ahead = self.schedule.densities_from(self.step)
             self.layout.keep_shapes(ahead)
             if self.sharded:
                 self.shards.keep_plans(ahead)
-        now = (self.counters["bytes_sent"], self.counters["dense_bytes"])  # its mask all-gather included
+        now = (self.comm.counters["bytes_sent"], self.comm.counters["dense_bytes"])  # its mask all-gather included
         self.last_step_bytes = (now[0] - self._counted_before[0], now[1] - self._counted_before[1])
         self._counted_before = now
         if self.step % STREAK_CHECK_EVERY == 0:
             self.streak.poll()
         if self.guard.due(self.step):
-            self.guard.check(self)
+            self.check_replicas()
         self.step_times.tick(done)  # on the host, where the step already waits: no device synchronization
+
+    def replicated(self) -> Replicated:
+        """What every rank of the group holds alike, for the replica guard: the step, the parameters, the
+        optimizer's ``m``, statistics and windows (not when sharded: each rank keeps its own rows) and the
+        scheduled masks."""
+        buffers: dict[str, Tensor] = {}
+        opt = self.optimizer
+        if opt is not None and not self.sharded:
+            buffers["m"] = opt.momentum_buffer
+            buffers.update({f"statistic {k!r}": b for k, b in opt.statistics.items()})
+            if self.buffers.windows is not None:
+                buffers["windows"] = self.buffers.windows
+        return Replicated(self.step, self.layout, self.local_params(), buffers,
+                          {step: mask.cols for step, mask in self.masks.items()}, self.buffers.staging_buffer)
+
+    def check_replicas(self) -> None:
+        """Compare every rank's replicated state (:mod:`scape_core.replicas`; collective: every rank calls it)."""
+        self.guard.check(self.replicated(), self.comm)
 
     def drop_step(self) -> None:
         """The backward's synchronized step is not taken (``ScapeAdamS.zero_grad()`` without ``step()``,
@@ -381,7 +369,7 @@ class ScapeStateBase:
         step skipped. The schedule does not advance: the next backward uses the same mask."""
         record = self.record
         if record.values is not None and record.entries is not None:
-            record.return_unapplied(self.residual_buffer, record.entries,
+            record.return_unapplied(self.buffers.residual, record.entries,
                                     torch.zeros((), dtype=torch.bool, device=self.layout.device))
         self.stepped()
         self.record = self.new_record()
@@ -419,9 +407,9 @@ class ScapeStateBase:
         device: call it between steps, not inside one; it also warns of a long streak (:meth:`check_streak`).
         At world size 1 nothing travels: every byte counter is 0 and both compressions 1.0.
         """
-        c: dict[str, float] = dict(self.counters)
+        c: dict[str, float] = dict(self.comm.counters)
         sent, dense = self.last_step_bytes
-        if self.world_size == 1:  # a collective over one rank moves nothing
+        if self.comm.world_size == 1:  # a collective over one rank moves nothing
             c.update(values_sent=0, bytes_sent=0, mask_bytes=0, dense_bytes=0, shard_bytes=0)
             sent = 0
         c["skipped_steps"] = self.skipped_steps
@@ -442,7 +430,7 @@ class ScapeStateBase:
             >>> state.summary()  # doctest: +SKIP
             'SCAPE: sparse steps 0.41 s against 1.20 s for the dense warm-up: 2.9x faster; 308 MB sent instead of ...'
         """
-        return summary_line(self.stats(), self.config, self.world_size)
+        return summary_line(self.stats(), self.config, self.comm.world_size)
 
     def log_summary(self) -> None:
         """Say :meth:`summary` on global rank 0 (the ``scape_core`` logger, as the start-of-run line); the
@@ -527,9 +515,6 @@ class ScapeState(ScapeStateBase):
         ddp = check_ddp_model(model)
         if process_group is None and ddp.process_group is not dist.group.WORLD:
             process_group = ddp.process_group  # the group DDP itself synchronizes over
-        self.process_group = process_group
-        self.world_size = dist.get_world_size(process_group)
-        self.rank = dist.get_rank(process_group)
         self.watch = DDPWatch(model, self)  # says what happened when gradients arrive unsynchronized
         self._ddp = weakref.ref(ddp)
         join.extend_join_hook(ddp, self)  # ddp.join(): a rank out of data takes the others' SCAPE step
@@ -537,23 +522,23 @@ class ScapeState(ScapeStateBase):
         if not params:
             raise ValueError("the model has no trainable parameters")
         dtypes = {p.dtype for p in params.values()}
-        self._build(params, params, dtypes.pop() if len(dtypes) == 1 else torch.float32)
-        if self.world_size == 1:
+        self._build(params, params, dtypes.pop() if len(dtypes) == 1 else torch.float32, process_group)
+        if self.comm.world_size == 1:
             warnings.warn(SINGLE_PROCESS, stacklevel=2)
 
     # ----- named views --------------------------------------------------------------
     def residual(self, name: str) -> Tensor:
         """This rank's fp32 residual of ``name`` (flat; zeros before the first sparse step)."""
-        if self.residual_buffer is None:
+        if self.buffers.residual is None:
             return torch.zeros(self.layout.numel[name], device=self.layout.device)
-        return self.layout.view(self.residual_buffer, name)
+        return self.layout.view(self.buffers.residual, name)
 
     @property
     def residuals(self) -> dict[str, Tensor]:
         """Every parameter's residual view by name (empty before the first sparse step)."""
-        if self.residual_buffer is None:
+        if self.buffers.residual is None:
             return {}
-        return {n: self.layout.view(self.residual_buffer, n) for n in self.params}
+        return {n: self.layout.view(self.buffers.residual, n) for n in self.params}
 
     def unsynchronized(self, missing: list[str]) -> str:
         return self.watch.explain(missing)

@@ -52,7 +52,7 @@ def snapshot(state: ScapeState, opt: ScapeAdamS) -> dict:
     unshard = state.shards.unshard
     m = unshard(opt.momentum_buffer)
     sq = unshard(opt.statistics["sq"]) if "sq" in opt.statistics else None
-    windows = None if state.window_buffer is None else unshard(state.window_buffer)
+    windows = None if state.buffers.windows is None else unshard(state.buffers.windows)
     for name, p in state.params.items():
         out["param"][name] = _flat(p)
         out["m"][name] = _flat(layout.view(m, name))
@@ -124,4 +124,4 @@ def shard_plans(state: ScapeState) -> list[float]:
 
 def _owner(state: ScapeState, row: int) -> int:
     """The rank whose block of rows holds ``row`` (it scores it from its residual, or its shard of m)."""
-    return row // state.layout.block(state.world_size)
+    return row // state.layout.block(state.comm.world_size)

@@ -213,7 +213,7 @@ def _resume_defaults(out: Path) -> dict:
         train(acc, model, opt, acc.skip_first_batches(loader, 16), 14)
         result[name] = dict(full=full, resumed=[p.detach().clone() for p in model.parameters()],
                             wire=scape.config.resolved_wire, steps=scape.state.step,
-                            hook_calls=scape.state.counters["hook_calls"])
+                            hook_calls=scape.state.comm.counters["hook_calls"])
     return result
 
 

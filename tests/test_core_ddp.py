@@ -103,7 +103,7 @@ def conservation_error(state, sum_applied, sum_mean_grad) -> float:
     for name, a, want in zip(state.params, sum_applied, sum_mean_grad):
         e = state.residual(name).view_as(a).clone()
         dist.all_reduce(e)
-        err = max(err, (a + e / state.world_size - want).abs().max().item())
+        err = max(err, (a + e / state.comm.world_size - want).abs().max().item())
     return err
 
 

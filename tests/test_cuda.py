@@ -68,8 +68,8 @@ def _replicated(state: ScapeState, opt: ScapeAdamS, model: GPT) -> torch.Tensor:
     parts = [p.detach().float().reshape(-1) for p in model.parameters()]
     if not state.sharded:  # sharded: each rank keeps its own rows of these
         parts += [opt.momentum_buffer.view(-1), *[b.view(-1) for b in opt.statistics.values()]]
-        if state.window_buffer is not None:
-            parts.append(state.window_buffer.view(-1))
+        if state.buffers.windows is not None:
+            parts.append(state.buffers.windows.view(-1))
     parts += [m.cols.float().view(-1) for _, m in sorted(state.masks.items())]
     return torch.cat([p.cpu() for p in parts])
 

@@ -111,9 +111,9 @@ def _snapshot(state, opt) -> dict:
         out["param"][name] = p._local_tensor.detach().reshape(-1).double().clone()
         out["m"][name] = view(opt.momentum_buffer, name)
         out["sq"][name] = view(opt.statistics["sq"], name)
-        if state.window_buffer is not None:
-            out["last_sync"][name] = layout.view(state.window_buffer, name).to(torch.int64).clone()
-        out["residual"][name] = (view(state.residual_buffer, name) if state.residual_buffer is not None
+        if state.buffers.windows is not None:
+            out["last_sync"][name] = layout.view(state.buffers.windows, name).to(torch.int64).clone()
+        out["residual"][name] = (view(state.buffers.residual, name) if state.buffers.residual is not None
                                  else torch.zeros(layout.numel[name], dtype=torch.float64))
     return out
 
@@ -346,7 +346,7 @@ def _nonfinite(rank: int, world: int) -> dict:
         opt.step()
         opt.zero_grad()
         changed.append(not torch.equal(before, _local(model)))
-    finite = bool(torch.isfinite(_local(model)).all()) and bool(torch.isfinite(opt.scape.residual_buffer).all())
+    finite = bool(torch.isfinite(_local(model)).all()) and bool(torch.isfinite(opt.scape.buffers.residual).all())
     out = dict(changed=changed, skipped=opt.scape.skipped_steps, finite=finite,
                identical=_same_across(_local(model), replicate))
     model, opt = _scape(mesh, sparsity=0.99, **SCHEDULE)  # gradient accumulation: one sync per optimizer step
@@ -470,7 +470,7 @@ def _resume(rank: int, world: int, path: str) -> dict:
 
     def final(model, opt):
         return dict(param=_local(model).clone(), m=opt.momentum_buffer.clone(),
-                    residual=opt.scape.residual_buffer.clone(), windows=opt.scape.window_buffer.clone())
+                    residual=opt.scape.buffers.residual.clone(), windows=opt.scape.buffers.windows.clone())
 
     path_to_save = True
     model, opt = _scape(mesh, sparsity=0.99, **SCHEDULE)
@@ -544,7 +544,7 @@ def _compiled(rank: int, world: int) -> dict:
             opt.zero_grad()
         state = opt.scape
         out[kernels] = dict(param=_local(model).clone(), m=opt.momentum_buffer.clone(),
-                            residual=state.residual_buffer.clone(), built=state.kernels.built,
+                            residual=state.buffers.residual.clone(), built=state.kernels.built,
                             identical=_same_across(_local(model), replicate), stats=state.stats())
     return out
 

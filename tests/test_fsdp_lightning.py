@@ -85,7 +85,7 @@ def _distinct(batches: list[torch.Tensor]) -> bool:
 def _final(t: L.Trainer, module: Sharded) -> dict:
     opt, state = t.optimizers[0], t.strategy.scape_state
     return dict(param=_local(module.model).clone(), m=opt.momentum_buffer.clone(),
-                residual=state.residual_buffer.clone(), windows=state.window_buffer.clone(),
+                residual=state.buffers.residual.clone(), windows=state.buffers.windows.clone(),
                 lr=opt.param_groups[0]["lr"], step=state.step)
 
 
@@ -114,7 +114,7 @@ def _train_part(rank, tmp):
         own.zero_grad()
         scheduler.step()
     out["by_hand"] = dict(param=_local(net).clone(), m=own.momentum_buffer.clone(),
-                          residual=own.scape.residual_buffer.clone(), windows=own.scape.window_buffer.clone(),
+                          residual=own.scape.buffers.residual.clone(), windows=own.scape.buffers.windows.clone(),
                           lr=own.param_groups[0]["lr"], step=own.scape.step)
     return out
 
@@ -243,7 +243,7 @@ def _fabric_part(rank, tmp):
             if save and step + 1 == EPOCH:
                 fabric.save(save, {**state, "step": step + 1})
         s = fabric.strategy.scape_state
-        return dict(param=_local(model).clone(), residual=s.residual_buffer.clone(), step=s.step,
+        return dict(param=_local(model).clone(), residual=s.buffers.residual.clone(), step=s.step,
                     optimizer=type(opt.optimizer).__name__, loaded_step=state["step"], stats=s.stats(),
                     lines=heard.lines)
 

@@ -133,8 +133,8 @@ def _train(rank: int, world: int, with_c: bool, wire: str) -> dict:
         torch.nn.utils.clip_grad_norm_(ddp.parameters(), 0.05)  # between backward and step: read from p.grad
         opt.step()
         opt.zero_grad()
-    out = dict(params=[p.detach().clone() for p in model.parameters()], residual=state.residual_buffer.clone(),
-               m=opt.momentum_buffer.clone(), staging=state.staging_buffer is not None)
+    out = dict(params=[p.detach().clone() for p in model.parameters()], residual=state.buffers.residual.clone(),
+               m=opt.momentum_buffer.clone(), staging=state.buffers.staging_buffer is not None)
     state.wait()
     return out
 

@@ -509,7 +509,7 @@ def _resume_defaults_part(rank, tmp):
         t.fit(resumed, token_loader(), ckpt_path=path)
         out[f"trainer_{name}"] = dict(full=params(full), resumed=params(resumed),
                                       wire=t.strategy.scape_config.resolved_wire, steps=t.strategy.scape_state.step,
-                                      hook_calls=t.strategy.scape_state.counters["hook_calls"])
+                                      hook_calls=t.strategy.scape_state.comm.counters["hook_calls"])
 
         def fabric_setup():
             fabric = L.Fabric(accelerator="cpu", devices=2,
@@ -536,7 +536,7 @@ def _resume_defaults_part(rank, tmp):
         fabric.load(str(Path(tmp) / f"{name}.fabric"), {"model": model, "optimizer": opt})
         fabric_train(model, opt, range(16, 30))
         out[f"fabric_{name}"] = dict(full=full_params, resumed=params(model), steps=fabric.strategy.scape_state.step,
-                                     hook_calls=fabric.strategy.scape_state.counters["hook_calls"])
+                                     hook_calls=fabric.strategy.scape_state.comm.counters["hook_calls"])
     return out
 
 

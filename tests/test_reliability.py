@@ -398,10 +398,10 @@ def _step_without_backward(rank):
     model = make_model()
     ddp, state, opt = scape_setup(model, 0.9)
     train(ddp, opt, rank, 3)
-    before = (state.step, dict(state.counters), [p.detach().clone() for p in model.parameters()])
+    before = (state.step, dict(state.comm.counters), [p.detach().clone() for p in model.parameters()])
     opt.step()
     opt.step()
-    after = (state.step, dict(state.counters), [p.detach().clone() for p in model.parameters()])
+    after = (state.step, dict(state.comm.counters), [p.detach().clone() for p in model.parameters()])
     train(ddp, opt, rank, 1, start=3)
     return dict(same=before[0] == after[0] and before[1] == after[1]
                 and all(torch.equal(a, b) for a, b in zip(before[2], after[2])), step=state.step)

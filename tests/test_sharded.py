@@ -202,19 +202,19 @@ def _memory_and_bytes(rank, world):
         model, ddp, state, opt = setup(sharded, sparsity=0.99, warmup_steps=2, ramp_steps=0, chunk_size=64,
                                        wire="native")  # the same wire in both modes
         train(ddp, opt, rank, 4)
-        before = dict(state.counters)
+        before = dict(state.comm.counters)
         train(ddp, opt, rank, 2, start=4)
-        per_step = {k: (state.counters[k] - before[k]) / 2 for k in before}
+        per_step = {k: (state.comm.counters[k] - before[k]) / 2 for k in before}
         state.wait()
         exclude = {t.untyped_storage().data_ptr() for p in model.parameters() for t in (p, p.grad) if t is not None}
         exclude |= {v.untyped_storage().data_ptr() for v in state.buckets.views.values()}  # DDP's buckets
         held = held_storages([opt, state], exclude)
-        scratch = [t for t in (state.selector.scratch, state.selector.late_scratch, state.staging_buffer)
+        scratch = [t for t in (state.selector.scratch, state.selector.late_scratch, state.buffers.staging_buffer)
                    if t is not None]  # hold nothing
         workspace = sum(t.untyped_storage().nbytes() for t in scratch)
         out[sharded] = dict(state=sum(held.values()) - workspace, per_step=per_step, rows=state.layout.rows,
-                            own=opt.momentum_buffer.shape[0], windows=state.window_buffer.shape[0],
-                            residual=state.residual_buffer.shape[0], entries=state.masks[6].flat(state.layout).numel(),
+                            own=opt.momentum_buffer.shape[0], windows=state.buffers.windows.shape[0],
+                            residual=state.buffers.residual.shape[0], entries=state.masks[6].flat(state.layout).numel(),
                             block=state.layout.block(world), k=state.layout.mask_shape(0.01).k)
     return out
 

@@ -141,10 +141,10 @@ def _fsdp_conservation(rank: int, world: int) -> dict:
         opt.zero_grad()
     err = 0.0
     for name in state.params:
-        residual = state.layout.view(state.residual_buffer, name).double().clone()
+        residual = state.layout.view(state.buffers.residual, name).double().clone()
         dist.all_reduce(residual, group=replicate)
         err = max(err, float((applied[name] + residual / world - mean_grad[name]).abs().max()))
-    held = float(state.residual_buffer.abs().sum())
+    held = float(state.buffers.residual.abs().sum())
     return dict(err=err, skipped=state.skipped_steps, groups=len(state.groups), held=held)
 
 

@@ -25,8 +25,8 @@ def replicated(state, opt) -> dict[str, torch.Tensor]:
     out = {f"param {n}": p.detach().clone() for n, p in state.params.items()}
     out["m"] = opt.momentum_buffer.clone()
     out.update({f"statistic {k}": b.clone() for k, b in opt.statistics.items()})
-    if state.window_buffer is not None:
-        out["windows"] = state.window_buffer.clone()
+    if state.buffers.windows is not None:
+        out["windows"] = state.buffers.windows.clone()
     out.update({f"mask {t}": m.cols.clone() for t, m in state.masks.items()})
     out["step"] = torch.tensor(state.step)
     return out
@@ -85,12 +85,12 @@ def _interrupted(rank: int) -> dict:
     """A KeyboardInterrupt raised inside a sparse step's exchange (on every rank, before its collective)."""
     ddp, state, opt = _setup(make_model(), warmup=1)
     _train(ddp, opt, rank, range(2))
-    path = state.exchange_path
+    exchanger = state.exchanger
 
     def stage(*args):
         raise KeyboardInterrupt
 
-    state.exchange_path = path._replace(stage=stage)
+    state.exchanger = exchanger._replace(path=exchanger.path._replace(stage=stage))
     try:
         loss_fn(ddp, *batch(2, rank)).backward()
         caught = "nothing raised"
@@ -305,7 +305,7 @@ def _fp64(rank: int) -> dict:
     with torch.no_grad():
         if rank == 1:
             model[0].weight[0, 0] += 1e-12
-    return dict(kept=kept, dtype=str(model[0].weight.dtype), guard=failure(lambda: state.guard.check(state)))
+    return dict(kept=kept, dtype=str(model[0].weight.dtype), guard=failure(state.check_replicas))
 
 
 def test_fp64_parameters_keep_their_precision_and_the_guard_sees_it(launch):
