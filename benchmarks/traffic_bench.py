@@ -448,18 +448,20 @@ def train_step(ddp: nn.Module, opt: torch.optim.Optimizer | None, x: Tensor, y: 
 def measure(method: str, base: nn.Module, data: Iterator[tuple[Tensor, Tensor]],
             bucket_view: bool = False) -> dict[str, Any]:
     """The totals of one counted step of ``method`` (after its warm-up steps: SCAPE's are sparse); a method
-    ending in " staging" runs the staging buffer's operators (as off the CPU) with the C pick, one ending in
+    ending in " staging" runs the staging buffer's operators and a mask's entries in torch's (as off the CPU) with
+    the C pick, one ending in
     " torch" no C kernel at all (a CPU without a C compiler)."""
-    from scape_core import fused, native
+    from scape_core import fused, masks, native
     from scape_core.update_rules import UPDATE_RULES
 
     if method.endswith(" staging"):  # the C pick kept, the step's loops as off the CPU: the staging buffer's path
-        linear, runs_here = UPDATE_RULES["linear"], fused.runs_here
+        linear, runs_here, c_entries = UPDATE_RULES["linear"], fused.runs_here, masks.c_entries
         fused.runs_here, linear.fused = (lambda *args: False), (lambda *args, **kwargs: None)
+        masks.c_entries = lambda cols: False  # a mask's entries in torch's operators, as off the CPU
         try:
             return measure(method[:-len(" staging")], base, data, bucket_view)
         finally:
-            fused.runs_here = runs_here
+            fused.runs_here, masks.c_entries = runs_here, c_entries
             del linear.fused  # the class's method again
     if method.endswith(" torch"):
         saved, native._library, native._unavailable = (native._library, native._unavailable), None, "torch"

@@ -96,11 +96,16 @@ def entries_of(cols: Tensor, layout: FlatLayout, density: float, dtype: torch.dt
     one C loop on the CPU, writing each entry once; elsewhere (or without the C kernels) a gather of the
     columns plus their rows' bases, in torch operators (the same values)."""
     shape = layout.mask_shape(density)
-    if (cols.device.type == "cpu" and cols.dtype == torch.int16 and cols.is_contiguous()
-            and native.library() is not None):
+    if c_entries(cols):
         return torch.ops.scape.mask_entries(cols, shape.row_entries, layout.chunk, shape.entries,
                                             dtype == torch.int32)
     return cols.long().add_(layout.row_bases).reshape(-1).index_select(0, shape.slots).to(dtype)
+
+
+def c_entries(cols: Tensor) -> bool:
+    """Whether :func:`entries_of` takes ``cols`` in its C loop: contiguous int16 on the CPU, the C kernels built."""
+    return (cols.device.type == "cpu" and cols.dtype == torch.int16 and cols.is_contiguous()
+            and native.library() is not None)
 
 
 @torch.library.custom_op("scape::mask_entries", mutates_args=(), device_types="cpu")
