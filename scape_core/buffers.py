@@ -1,11 +1,13 @@
 """The tensors a sparse step reads and writes on this rank, by role, and nothing of the step's logic.
 
 :class:`Buffers` holds the flat layout and the ``(rows, chunk)`` fp32 buffers laid out by it: the
-residual (every row: this rank's unsent gradient), the windows (the rows whose optimizer state this
-rank keeps: the step each coordinate was last exchanged at) and the eager step's staging scratch.
-The state makes the residual and the windows at the first sparse step (``ScapeStateBase.start_sparse``);
-the exchange (:mod:`scape_core.exchange`) writes the residual, the optimizer the windows, and the
-checkpoint (:mod:`scape_core.checkpoint`) saves and restores both by parameter name.
+residual (every row: this rank's unsent gradient), ``m`` and the update rule's statistics and the
+windows (the rows whose optimizer state this rank keeps; the windows hold the step each coordinate
+was last exchanged at) and the eager step's staging scratch. The state makes the residual and the
+windows at the first sparse step (``ScapeStateBase.start_sparse``), the optimizer ``m`` and the
+statistics when it is built; the exchange (:mod:`scape_core.exchange`) writes the residual, the
+optimizer the rest, and the checkpoint (:mod:`scape_core.checkpoint`) saves and restores the
+residual and the windows by parameter name (the optimizer's state dict, ``m`` and the statistics).
 """
 
 from __future__ import annotations
@@ -21,13 +23,17 @@ class Buffers:
     Example:
         >>> import torch
         >>> buffers = Buffers(FlatLayout({"w": torch.zeros(6)}, chunk=4))
-        >>> buffers.residual is None, tuple(buffers.staging().shape), buffers.flat(buffers.staging()).shape
-        (True, (2, 4), torch.Size([8]))
+        >>> buffers.residual is None, buffers.m is None, tuple(buffers.staging().shape)
+        (True, True, (2, 4))
+        >>> buffers.flat(buffers.staging()).shape
+        torch.Size([8])
     """
 
     def __init__(self, layout: FlatLayout) -> None:
         self.layout = layout
         self.residual: Tensor | None = None  # (rows, chunk) fp32, this rank's unsent gradient
+        self.m: Tensor | None = None  # (shard rows, chunk) fp32: the optimizer's momentum (made by it)
+        self.statistics: dict[str, Tensor] = {}  # the update rule's, by name, shaped as m
         # (shard rows, chunk) fp32 (exact to 2^24 steps): the step each coordinate was last exchanged at
         self.windows: Tensor | None = None
         self.staging_buffer: Tensor | None = None  # (rows, chunk) fp32 scratch of the eager step (staging())

@@ -97,6 +97,7 @@ class ScapeAdamS(AdamS):
                              "differ in lr and weight_decay), or freeze those parameters before wrapping in DDP")
         self.kernels = state.kernels  # one set of compiled passes per state
         state.optimizer = self
+        state.buffers.m, state.buffers.statistics = self.momentum_buffer, self.statistics  # the same tensors
 
     _every_gradient = False  # whether a sparse step needs every parameter's gradient
 

@@ -88,7 +88,7 @@ class ScapeStateBase:
     """
 
     config: ScapeConfig
-    buffers: Buffers  # the layout, the residual, the windows, the staging scratch
+    buffers: Buffers  # the layout, the residual, m and the statistics, the windows, the staging scratch
     comm: Communicator  # the group, this rank, the wire, the counters
     exchanger: exchange.Exchanger  # what the hooks' exchanges read and write (the buffers, regions, kernels, comm)
     selector: MaskSelector
@@ -349,12 +349,12 @@ class ScapeStateBase:
         optimizer's ``m``, statistics and windows (not when sharded: each rank keeps its own rows) and the
         scheduled masks."""
         buffers: dict[str, Tensor] = {}
-        opt = self.optimizer
-        if opt is not None and not self.sharded:
-            buffers["m"] = opt.momentum_buffer
-            buffers.update({f"statistic {k!r}": b for k, b in opt.statistics.items()})
-            if self.buffers.windows is not None:
-                buffers["windows"] = self.buffers.windows
+        own = self.buffers
+        if own.m is not None and not self.sharded:
+            buffers["m"] = own.m
+            buffers.update({f"statistic {k!r}": b for k, b in own.statistics.items()})
+            if own.windows is not None:
+                buffers["windows"] = own.windows
         return Replicated(self.step, self.layout, self.local_params(), buffers,
                           {step: mask.cols for step, mask in self.masks.items()}, self.buffers.staging_buffer)
 
@@ -486,9 +486,12 @@ class ScapeState(ScapeStateBase):
     Non-finite gradients on any rank make every rank skip the step (``skipped_steps``), decided
     on the device; the step is dropped whole (every residual as before it).
 
-    Pieces: :attr:`selector` chooses the masks (:mod:`scape_core.selection`), :attr:`buckets`
-    and :attr:`record` are the hook's (:mod:`scape_core.buckets`), :attr:`shards` the sharded
-    mode's collectives (:mod:`scape_core.sharding`), :mod:`scape_core.checkpoint` the saved form.
+    Pieces: :attr:`buffers` holds the layout, the residual, ``m`` and the windows (:mod:`scape_core.buffers`),
+    :attr:`comm` the group and the counters (:mod:`scape_core.communicator`), :attr:`selector` chooses
+    the masks (:mod:`scape_core.selection`), :attr:`buckets` and :attr:`record` are the hook's
+    (:mod:`scape_core.buckets`), :attr:`exchanger` what its exchanges read and write
+    (:mod:`scape_core.exchange`), :attr:`shards` the sharded mode's collectives
+    (:mod:`scape_core.sharding`), :mod:`scape_core.checkpoint` the saved form.
 
     Args:
         model: the DistributedDataParallel-wrapped model (optionally under torch.compile).
