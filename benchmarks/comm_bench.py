@@ -391,7 +391,10 @@ def summarize(raw: dict[str, Any], batches_: list[int]) -> dict[str, Any]:
 
 def ratio(rows: dict[str, Any], a: str, b: str) -> float:
     """Step time of ``a`` over ``b``: the median of per-round ratios (the i-th steps of all methods
-    ran in the same interleaved round, so slow drift in the machine's load cancels)."""
+    ran in the same interleaved round, so slow drift in the machine's load cancels); NaN where either did not
+    run (``--methods`` without it)."""
+    if a not in rows or b not in rows:
+        return float("nan")
     ta, tb = rows[a].get("times"), rows[b].get("times")
     if ta and tb and len(ta) == len(tb):
         return median([x / y for x, y in zip(ta, tb)])
