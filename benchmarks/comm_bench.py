@@ -401,6 +401,11 @@ def ratio(rows: dict[str, Any], a: str, b: str) -> float:
     return rows[a]["time_s"] / rows[b]["time_s"]
 
 
+def times(r: float) -> str:
+    """A ratio as the tables print it (``-`` where it is NaN: a method not run)."""
+    return "-" if r != r else f"{r:.2f}x"
+
+
 def fmt_bytes(n: float) -> str:
     for unit, scale in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
         if abs(n) >= scale:
@@ -424,7 +429,7 @@ def tables(summary: dict[str, Any], links: dict[str, str], default_batch: int, c
             t = r["time_s"]
             pct = f"{100 * r['bytes'] / dense_bytes:.2f}%" if dense_bytes and "bytes" in r else "-"
             lines.append(
-                f"| {name} | {t:.3f} | {ratio(rows, name, BOUND):.2f}x | {ratio(rows, DENSE, name):.2f}x | "
+                f"| {name} | {t:.3f} | {times(ratio(rows, name, BOUND))} | {times(ratio(rows, DENSE, name))} | "
                 f"{r.get('cpu_s', float('nan')):.3f} | "
                 f"{r.get('values', 0):,.0f} | "
                 f"{fmt_bytes(r.get('bytes', 0))} | {pct} | {fmt_bytes(max(r.get('lo_bytes', 0), 0))} |")
