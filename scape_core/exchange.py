@@ -83,8 +83,8 @@ class ExchangePath(NamedTuple):
 
 class Exchanger(NamedTuple):
     """What an exchange reads and writes besides its record, made once per state: the functions of its path
-    (:func:`path`), the buffers (the residual, the staging scratch), the regions' plans (:class:`Buckets`),
-    the kernels, and the communicator (group, rank, wire)."""
+    (:func:`path`), the buffers (the residual, the staging scratch), the regions' plans and the wire's
+    (:class:`Buckets`), the kernels, and the communicator (group, rank, counters)."""
 
     path: ExchangePath
     buffers: Buffers
@@ -100,7 +100,7 @@ def run(ex: Exchanger, record: StepRecord) -> None:
     try:
         path = ex.path
         path.stage(ex, record)
-        encoded = ex.comm.wire != "native"
+        encoded = ex.buckets.wire_name != "native"
         reduced, kept = (exchange_encoded if encoded else exchange_native)(ex, record)
         path.finish(ex, record, reduced, kept)
     except BaseException as e:  # the futures fail, then it propagates as itself
@@ -191,7 +191,7 @@ def finish_pass(buffers: list[Tensor], residual: Tensor | None, entries: Tensor,
     """After the exchange, the residual's add of the gradients and the buckets' zeroing, every bucket
     at once: if the step went through (``ok``), the residual keeps ``kept`` (or 0) at the entries and
     every bucket gets the mean there; if not, the residual stays and the buckets hold zeros. Returns
-    the means (fp32; 0 on a dropped step). As :func:`scape_core.exchange.finish`. ``entries`` may be
+    the means (fp32; 0 on a dropped step). As :func:`finish`. ``entries`` may be
     int32 (a mask's narrow entries, :meth:`~scape_core.masks.Mask.flat`), as in every pass that takes them.
 
     The residual's add is a graph of its own (:func:`residual_pass`) and the zeroing an eager

@@ -294,7 +294,7 @@ def select_groups(score: Tensor, layout: FlatLayout, shape: MaskShape, exclude: 
 
 
 def age_score(m: Tensor, synced_at: Tensor, before: Tensor, due: Tensor | None) -> Tensor:
-    """:func:`scape_core.masks.age_momentum_score` as one expression (a compiled pass writes it nowhere):
+    """:func:`age_momentum_score` as one expression (a compiled pass writes it nowhere):
     ``|(synced_at - before) m|``, ``before = target - 1``, with ``|m|`` read as ``OVERDUE`` for a
     coordinate last exchanged before ``due = target - max_window`` (0-dim tensors)."""
     if due is not None:
@@ -328,7 +328,7 @@ def pick_pass(m: Tensor, synced_at: Tensor, before: Tensor, due: Tensor | None, 
               index_dtype: torch.dtype = torch.int64) -> tuple[Tensor, Tensor | None]:
     """``selection="groups"`` of the age score (:func:`age_score`) in one pass over ``m`` and the windows:
     the score, the exclusion and each group's best, without writing the score. As
-    :func:`scape_core.masks.select_groups` (the same columns), for ``excluded`` (the mask being
+    :func:`select_groups` (the same columns), for ``excluded`` (the mask being
     flushed, ``(rows, k)`` columns) ``None`` or a groups mask of the same ``k``: its column of group
     ``j`` lies in group ``j``, so the exclusion is a comparison in each group, not a scatter.
 

@@ -89,7 +89,7 @@ class ScapeStateBase:
 
     config: ScapeConfig
     buffers: Buffers  # the layout, the residual, m and the statistics, the windows, the staging scratch
-    comm: Communicator  # the group, this rank, the wire, the counters
+    comm: Communicator  # the group, this rank, the counters
     exchanger: exchange.Exchanger  # what the hooks' exchanges read and write (the buffers, regions, kernels, comm)
     selector: MaskSelector
     schedule: MaskSchedule
@@ -131,7 +131,7 @@ class ScapeStateBase:
         self.params = params
         self.names = {id(p): n for n, p in params.items()}
         self.buffers = Buffers(FlatLayout(local, self.config.chunk_size))
-        self.comm = Communicator(group, dist.get_rank(group), dist.get_world_size(group), self.config.resolved_wire)
+        self.comm = Communicator(group, dist.get_rank(group), dist.get_world_size(group))
         self.kernels = Kernels(self.config.kernels)  # the passes over every coordinate, eager or compiled
         self.sharded = self.config.shard_optimizer
         # both build their plans now: their first use reads the device once
