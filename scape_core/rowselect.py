@@ -40,6 +40,24 @@ static int top_bucket(const uint32_t *hist, int top, int64_t *need) {
     return b;
 }
 
+/* The columns of the k keys above t and the first `ties` equal to t, in column order (cols[i]: key i's column, or i
+   where NULL); `equal`: how many keys equal t. Where every one of them is taken (the usual case) no branch and no
+   chain through `ties`: a row's picks are unpredictable. */
+static void take_columns(const int32_t *x, const int16_t *cols, int64_t n, int64_t k, uint32_t t, int64_t ties,
+                         int64_t equal, int16_t *out) {
+    int64_t c = 0;
+    if (ties == equal) {
+        for (int64_t i = 0; i < n && c < k; i++) { out[c] = cols ? cols[i] : (int16_t)i; c += ord(x[i]) >= t; }
+        return;
+    }
+    for (int64_t i = 0; i < n && c < k; i++) {
+        uint32_t u = ord(x[i]);
+        int64_t tie = u == t, take = (u > t) | (tie & (ties > 0));
+        ties -= tie & take;
+        out[c] = cols ? cols[i] : (int16_t)i; c += take;
+    }
+}
+
 static uint32_t select_row(const int32_t *x, int64_t n, int64_t k, int16_t *out, uint32_t *cand) {
     uint32_t hist[4][2048], sum[2048];
     int64_t need = k, m = 0, ties;
@@ -74,25 +92,63 @@ static uint32_t select_row(const int32_t *x, int64_t n, int64_t k, int16_t *out,
     for (int64_t i = 0; i < m2; i++) { uint32_t b = cand[i] & 1023; sum[b]++; top = b > top ? b : top; }
     uint32_t t = prefix | (uint32_t)top_bucket(sum, (int)top, &need);
     ties = need;  /* keys equal to t to take, lowest columns first */
-    int64_t c = 0;
-    for (j = 0; j < n && c < k; j++) {
-        uint32_t u = ord(x[j]);
-        if (u > t) out[c++] = (int16_t)j;
-        else if (u == t && ties > 0) { out[c++] = (int16_t)j; ties--; }
-    }
+    int64_t equal = 0;
+    for (int64_t i = 0; i < m2; i++) equal += cand[i] == t;
+    take_columns(x, NULL, n, k, t, ties, equal, out);
     return t;
 }
 
 /* Scratch for one row's pick: the radix select's candidates; the hinted pick's keys, their columns and their
-   positions picked. */
-typedef struct { uint32_t *cand; int32_t *keys; int16_t *cols, *at; } Scratch;
+   positions picked; select_near's histogram (2048 bins and three more, zero between rows). */
+typedef struct { uint32_t *cand, *near; int32_t *keys; int16_t *cols, *at; } Scratch;
 
 #define HINT_MARGIN (1u << 20)  /* a key's bits less this: 0.88 to 0.94 times its value, for scores >= 0 */
+#define NEAR_SHIFT 13  /* select_near's bins: 2^13 key values each, 2047 of them over two octaves above the bound */
+
+/* The k largest of m keys all at or above `lo` (unsigned order), in column order (cols[i]: key i's column), where
+   the k-th lies within 2047 bins of `lo` (a hint that held): one histogram of (key - lo) >> NEAR_SHIFT finds the
+   k-th's bin, and the few keys in that bin are ranked exactly. The k columns into out; the k-th key returned, or 0
+   where this does not apply (the k-th further above `lo`, or over 64 keys in its bin): select_row then. */
+static uint32_t select_near(const int32_t *x, const int16_t *cols, int64_t m, int64_t k, uint32_t lo, int16_t *out,
+                            Scratch *s) {
+    uint32_t *sum = s->near, top = 0, low = 2047;
+    for (int64_t i = 0; i < m; i++) {  /* keys beyond the bins: four counts, no chain of increments on one */
+        uint32_t d = (ord(x[i]) - lo) >> NEAR_SHIFT, b = d < 2047 ? d : 2047 + (uint32_t)(i & 3);
+        sum[b]++; top = b > top ? b : top; low = b < low ? b : low;
+    }
+    if (top > 2047) {
+        sum[2047] += sum[2048] + sum[2049] + sum[2050];
+        sum[2048] = sum[2049] = sum[2050] = 0;
+        top = 2047;
+    }
+    int64_t below = 0;  /* keys in the bins under b: the k-th largest is in the first bin where they pass m - k */
+    uint32_t b = low;
+    while (below + (int64_t)sum[b] <= m - k) below += sum[b++];
+    int64_t need = k - (m - below - (int64_t)sum[b]);  /* the k-th's rank from the top among its bin's keys */
+    memset(sum + low, 0, (top - low + 1) * sizeof(uint32_t));
+    if (b == 2047) return 0;
+    uint32_t *bin = s->cand;
+    int64_t nb = 0;
+    for (int64_t i = 0; i < m; i++) { uint32_t u = ord(x[i]); bin[nb] = u; nb += (u - lo) >> NEAR_SHIFT == b; }
+    if (nb > 64) return 0;
+    for (int64_t i = 1; i < nb; i++) {  /* a few keys: sorted descending */
+        uint32_t u = bin[i];
+        int64_t j = i;
+        for (; j > 0 && bin[j - 1] < u; j--) bin[j] = bin[j - 1];
+        bin[j] = u;
+    }
+    uint32_t t = bin[need - 1];
+    int64_t ties = need, equal = 0;  /* keys equal to t to take, lowest columns first; keys equal to t */
+    for (int64_t i = 0; i < need; i++) ties -= bin[i] > t;
+    for (int64_t i = 0; i < nb; i++) equal += bin[i] == t;
+    take_columns(x, cols, m, k, t, ties, equal, out);
+    return t;
+}
 
 /* select_row, faster where `*hint` is a bound at or below the row's k-th key: the keys >= it gathered with their
-   columns in one pass and the radix select run on those alone. Exact whatever the hint: when fewer than k keys
-   are >= it, the whole row is selected. `*hint` becomes this row's k-th key less HINT_MARGIN (0: no hint), the
-   next pick's bound: a row's k-th score moves little from one step to the next. */
+   columns in one pass and selected among those alone (select_near, else select_row). Exact whatever the hint: when
+   fewer than k keys are >= it, the whole row is selected. `*hint` becomes this row's k-th key less HINT_MARGIN (0: no
+   hint), the next pick's bound: a row's k-th score moves little from one step to the next. */
 static void hinted_row(const int32_t *x, int64_t n, int64_t k, int16_t *out, Scratch *s, uint32_t *hint) {
     uint32_t lo = *hint, t;
     int64_t m = 0;
@@ -103,8 +159,11 @@ static void hinted_row(const int32_t *x, int64_t n, int64_t k, int16_t *out, Scr
         }
     }
     if (lo && m >= k) {  /* the k largest are all gathered, ties at the k-th included (they are >= lo too) */
-        t = select_row(s->keys, m, k, s->at, s->cand);
-        for (int64_t i = 0; i < k; i++) out[i] = s->cols[s->at[i]];
+        t = select_near(s->keys, s->cols, m, k, lo, out, s);
+        if (!t) {
+            t = select_row(s->keys, m, k, s->at, s->cand);
+            for (int64_t i = 0; i < k; i++) out[i] = s->cols[s->at[i]];
+        }
     } else {
         t = select_row(x, n, k, out, s->cand);
     }
@@ -113,13 +172,14 @@ static void hinted_row(const int32_t *x, int64_t n, int64_t k, int16_t *out, Scr
 
 static int scratch(Scratch *s, int64_t n) {
     s->cand = (uint32_t *)malloc((size_t)n * sizeof(uint32_t));
+    s->near = (uint32_t *)calloc(2048 + 3, sizeof(uint32_t));
     s->keys = (int32_t *)malloc((size_t)n * sizeof(int32_t));
     s->cols = (int16_t *)malloc((size_t)n * sizeof(int16_t));
     s->at = (int16_t *)malloc((size_t)n * sizeof(int16_t));
-    return s->cand && s->keys && s->cols && s->at;
+    return s->cand && s->near && s->keys && s->cols && s->at;
 }
 
-static void release(Scratch *s) { free(s->cand); free(s->keys); free(s->cols); free(s->at); }
+static void release(Scratch *s) { free(s->cand); free(s->near); free(s->keys); free(s->cols); free(s->at); }
 
 /* Row r takes its k best among its n columns, but a shorter row (short[p] == row0 + r, ascending) takes its
    counts[p] best among its first lens[p], ascending; the other slots hold column n - 1 (its padding). */
@@ -168,7 +228,10 @@ int scape_age_topk_rows(const float *m, const float *w, int64_t rows, int64_t n,
         if (w) {
             const float *wr = w + r * n;
             if (has_limit) {
-                for (int64_t j = 0; j < n; j++) score[j] = fabsf((wr[j] - t1) * (wr[j] < before ? overdue : mr[j]));
+                for (int64_t j = 0; j < n; j++) {  /* both read first: a select, so the loop vectorizes */
+                    float mj = mr[j], wj = wr[j];
+                    score[j] = fabsf((wj - t1) * (wj < before ? overdue : mj));
+                }
             } else {
                 for (int64_t j = 0; j < n; j++) score[j] = fabsf((wr[j] - t1) * mr[j]);
             }

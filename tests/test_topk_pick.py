@@ -171,3 +171,23 @@ def test_the_age_pick_started_from_the_last_picks_bound_stays_exact():
         assert sum(int(h.count_nonzero()) for h in rowselect._hints.values()) >= layout.rows  # bounds to start from
         flushed = Mask(0.075, cols)
         windows.view(-1).index_fill_(0, flushed.flat(layout), float(t))
+
+
+@pytest.mark.parametrize("levels", [4, 256, None])
+def test_the_age_pick_near_its_bound_ranks_ties_at_the_kth_exactly(levels):
+    """Bounded picks whose k-th key lies just above the row's bound (the pick ranks the keys of the k-th's bin
+    alone): with momenta of a few values (over 64 ties at the k-th, some taken), a few hundred values (a few ties
+    in the k-th's bin) and continuous ones, the columns equal the stored score's, steps on."""
+    layout, g = layout_of([4096 * 5 + 700, 2000], 4096), torch.Generator().manual_seed(11)
+    shape = layout.mask_shape(0.075)
+    m = torch.randn(layout.rows, 4096, generator=g)
+    if levels is not None:
+        m = m.mul_(levels / 8).round_().div_(levels / 8)
+    windows = torch.randint(0, 5, (layout.rows, 4096), generator=g).float()
+    flushed = None
+    for t in range(8, 16):
+        cols = select_age(m, windows, t, 400, layout, shape, flushed)
+        assert torch.equal(cols, select(age_momentum_score(m, windows, t, 400), layout, shape, flushed)), t
+        flushed = Mask(0.075, cols)
+        windows.view(-1).index_fill_(0, flushed.flat(layout), float(t))
+        m.view(-1).index_fill_(0, flushed.flat(layout), 0.5)
