@@ -23,19 +23,30 @@ all-reduce is not waited for), and a SCAPE step that differs there breaks the re
 from __future__ import annotations
 
 import weakref
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable, Protocol
 
-from torch import nn
+import torch
+from torch import Tensor, nn
 from torch.distributed.algorithms.join import JoinHook
 
-if TYPE_CHECKING:
-    from scape_core.state import ScapeState
+from scape_core.buckets import Buckets, StepRecord
 
 UNUSED_IN_JOIN = ("SCAPE does not support ddp.join() with find_unused_parameters=True: a rank that ran out of data "
                   "takes the others' SCAPE step on the synchronized means, and cannot know which parameters they "
                   "left without a gradient. Give every rank the same number of batches (e.g. "
                   "DistributedSampler(drop_last=True), or cut each rank's loader to the smallest length) and drop "
                   "ddp.join(), or build DDP without find_unused_parameters")
+
+
+class Joinable(Protocol):
+    """What a joined rank's step reads of a SCAPE state (``ScapeState`` is one)."""
+
+    params: dict[str, Tensor]  # the parameters by name
+    buckets: Buckets  # their gradients' views in DDP's buckets
+    record: StepRecord  # this step's, which says whether the others synchronized
+    optimizer: torch.optim.Optimizer | None  # the ScapeAdamS built on the state
+
+    def check_replicas(self) -> None: ...
 
 
 class ScapeJoinHook(JoinHook):
@@ -48,7 +59,7 @@ class ScapeJoinHook(JoinHook):
         ...         loss_fn(ddp(x), y).backward(); opt.step(); opt.zero_grad()
     """
 
-    def __init__(self, ddp_hook: JoinHook, state: "ScapeState") -> None:
+    def __init__(self, ddp_hook: JoinHook, state: Joinable) -> None:
         self.ddp_hook = ddp_hook
         self._state = weakref.ref(state)
 
@@ -67,7 +78,7 @@ class ScapeJoinHook(JoinHook):
             state.check_replicas()
 
 
-def shadow_step(state: "ScapeState") -> None:
+def shadow_step(state: Joinable) -> None:
     """The optimizer step of a joined rank: the synchronized means DDP's shadow left in its zero-filled
     buckets (``state.buckets.views``) stand in for ``p.grad`` for the step, which is the others'."""
     opt = state.optimizer
@@ -84,7 +95,7 @@ def shadow_step(state: "ScapeState") -> None:
             p.grad = before[name]
 
 
-def extend_join_hook(ddp: nn.parallel.DistributedDataParallel, state: "ScapeState") -> None:
+def extend_join_hook(ddp: nn.parallel.DistributedDataParallel, state: Joinable) -> None:
     """Make ``ddp.join()`` build :class:`ScapeJoinHook` around DDP's own join hook (on this instance)."""
     ddp_join_hook: Callable[..., JoinHook] = ddp.join_hook
     ref = weakref.ref(state)
